@@ -1,0 +1,7 @@
+"""flashtile: IO-aware exact attention and softmax kernels (Triton on GPU, PyTorch on CPU)."""
+
+from flashtile.interface import flash_attn_func
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attn_func", "__version__"]

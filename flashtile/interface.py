@@ -1,0 +1,64 @@
+"""The public attention functions (flash-attn's API and layout)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile.ops import attention as _ops
+from flashtile.ops.validation import check_attention_inputs
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Exact softmax attention, ``softmax(q k^T * softmax_scale) v``, computed tile by tile.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``, float16 / bfloat16 (float32 accepted).
+        k, v: ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (GQA/MQA:
+            query head ``h`` reads kv head ``h // (nheads // nheads_k)``), no copy made.
+        dropout_p: dropout on the attention probabilities (not implemented yet: must be 0).
+        softmax_scale: score scale, default ``headdim ** -0.5``.
+        causal: mask keys after the query, aligned to the bottom right when
+            ``seqlen_q != seqlen_k`` (query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``).
+        window_size: ``(left, right)`` sliding window, -1 = unbounded on that side.
+        softcap, alibi_slopes: not implemented yet (must be 0 / None).
+        deterministic: make the backward bitwise reproducible run to run.
+        return_lse: also return the log-sum-exp of the scaled scores, float32
+            ``(batch, nheads, seqlen_q)``; a row with no visible key has LSE ``-inf``
+            and output 0.
+
+    Returns:
+        ``out`` shaped like ``q``, or ``(out, lse)`` when ``return_lse``.
+
+    CUDA tensors run the Triton kernels; CPU tensors run the tiled PyTorch path.  Both
+    support autograd (the backward recomputes P from the LSE) and ``torch.compile``.
+    """
+    params = check_attention_inputs(
+        q,
+        k,
+        v,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+    )
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out, lse = _ops.attention_forward(
+        q, k, v, params.softmax_scale, params.window_left, params.window_right, params.deterministic
+    )
+    return (out, lse) if return_lse else out

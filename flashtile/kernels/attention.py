@@ -1,0 +1,470 @@
+"""FlashAttention forward and backward in Triton (Hopper first, any CUDA GPU, and the interpreter).
+
+Forward: one program per (query tile, batch * head).  The query tile stays in registers;
+key/value tiles stream through shared memory by TMA (tensor descriptors), scores go
+through the tensor cores, and the softmax is kept *online*: a running row max ``m``, a
+running row sum ``l`` and an un-normalised fp32 accumulator ``acc``.  Normalisation
+happens once at the end and the log-sum-exp is written for the backward.  Nothing of
+size seqlen_q x seqlen_k ever reaches HBM.
+
+Backward, by recomputation from the LSE:
+  1. ``_bwd_preprocess``: D_i = rowsum(dO_i * O_i) (minus dLSE_i), and the LSE in log2
+     units with empty rows turned to +inf so their recomputed P is exactly 0.
+  2. ``_bwd_dkdv``: one program per (key tile, batch * kv-head) holds K_j, V_j and loops
+     over the query tiles (and over the query heads of its GQA group), recomputing
+     P = exp2(Q K^T * scale*log2e - LSE*log2e); dV += P^T dO, dK += dS^T Q.
+  3. ``_bwd_dq``: one program per (query tile, batch * head) loops over key tiles:
+     dQ += dS K.  No atomics anywhere, so the backward is bitwise deterministic.
+
+Tensors keep flash-attn's layout ``(batch, seqlen, nheads, headdim)`` and any strides with
+a unit last stride: a 4-D tensor descriptor addresses tile ``[b, row0:row0+BLOCK, h, :]``
+directly, rows past the sequence read as zeros and are never written.  Head dims that are
+not a power of two are padded to one *inside* the descriptor (out-of-range columns read
+as zeros), so no copy is made.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _is_hopper() -> bool:
+    return (not INTERPRET) and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, start, end,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = K_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                MASK_LEFT, MASK_RIGHT)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            # A row that has seen no visible key yet keeps m = -inf: subtract 0 instead so
+            # exp2(-inf - -inf) = NaN never appears and its p stays exactly 0.
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_ij
+        # exp(s*scale - m) == exp2(s*scale*log2e - m*log2e): with qk_scale = scale*log2e
+        # and m kept in log2 units, the scale and the max subtraction are one FMA per score
+        # feeding the hardware's native exp2.
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q_desc, K_desc, V_desc, O_desc, LSE,
+    seqlen_q, seqlen_k, nheads, group, qk_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if MASK_RIGHT:
+        # Causal-like masks give later query tiles more work: start those first so the
+        # longest programs do not run last on a half-empty GPU.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group
+    m0 = pid_m * BLOCK_M
+
+    q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    if MASK_LEFT:
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, lo, full_lo,
+                                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                   WARP_SPECIALIZE, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
+                               seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                               BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                               WARP_SPECIALIZE, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_hi, hi,
+                               seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                               BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                               WARP_SPECIALIZE, DOT_PRECISION)
+
+    # Deferred normalisation: one reciprocal per row.  A row with no visible key has
+    # l = 0: its output is 0 and its LSE -inf, never NaN.
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    tl.store(LSE + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    out = (acc * inv_l[:, None]).to(O_desc.dtype)
+    O_desc.store([b, m0, h, 0], out.reshape([1, BLOCK_M, 1, HEAD_DIM]))
+
+
+# --------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, DLSE, LSE, Delta, LSE2,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    seqlen_q, nheads, headdim,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < headdim)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    row = bh.to(tl.int64) * seqlen_q + offs_m
+    delta = tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        # d lse_i / d s_ij = P_ij: a gradient on the LSE only shifts D_i.
+        delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(Delta + row, delta, mask=offs_m < seqlen_q)
+    lse = tl.load(LSE + row, mask=offs_m < seqlen_q, other=float("-inf"))
+    # Rows with no visible key (LSE = -inf) get +inf, so exp2(s - LSE2) is exactly 0 for them.
+    tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634),
+             mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, start, end,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    row_base = bh.to(tl.int64) * seqlen_q
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+        # Rows past seqlen_q read LSE2 = +inf (P = 0) and D = 0.
+        lse2 = tl.load(LSE2 + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+        # Work on the transposed tile (keys x queries) so K, V stay the resident operand.
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if MASKED:
+            visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                MASK_LEFT, MASK_RIGHT)
+            pT = tl.where(tl.trans(visible), pT, 0.0)
+        do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, LSE2, Delta,
+    seqlen_q, seqlen_k, nheads_k, group, qk_scale, softmax_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
+    n0 = pid_n * BLOCK_N
+    k = K_desc.load([b, n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+    v = V_desc.load([b, n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = query_tiles(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    # GQA: the query heads of one group all read this K/V tile; summing their
+    # contributions here gives dK/dV without atomics or a K/V copy.
+    for g in range(0, group):
+        h = hk * group + g
+        bh = b * (nheads_k * group) + h
+        if MASK_RIGHT:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, lo, full_lo,
+                                 seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_lo, full_hi,
+                             seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+        if MASK_LEFT:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_hi, hi,
+                                 seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+    DV_desc.store([b, n0, hk, 0], dv.to(DV_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+    dk = dk * softmax_scale
+    DK_desc.store([b, n0, hk, 0], dk.to(DK_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, start, end,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    for start_n in range(start, end, BLOCK_N):
+        k = K_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                MASK_LEFT, MASK_RIGHT)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, LSE2, Delta,
+    seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if MASK_RIGHT:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    row = bh.to(tl.int64) * seqlen_q + offs_m
+    lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
+    delta = tl.load(Delta + row, mask=offs_m < seqlen_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    if MASK_LEFT:
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, lo, full_lo,
+                       seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                       BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
+                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_hi, hi,
+                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+    dq = dq * softmax_scale
+    DQ_desc.store([b, m0, h, 0], dq.to(DQ_desc.dtype).reshape([1, BLOCK_M, 1, HEAD_DIM]))
+
+
+# --------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------
+
+
+def _padded_headdim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
+
+    Tensors from ordinary allocations with headdim a multiple of 8 (fp16/bf16) already
+    qualify; anything else is copied once into a padded, contiguous buffer.
+    """
+    elt = t.element_size()
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
+    if ok:
+        return t
+    d = t.shape[-1]
+    d_pad = -(-d * elt // 16) * 16 // elt
+    return torch.nn.functional.pad(t, (0, d_pad - d)).contiguous()
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDescriptor:
+    # Shape keeps the *true* head dim: columns past it read as zeros and are never written.
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_pad])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to tf32 (~1e-3 relative error).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _Config:
+    """One tile configuration; small enough to read at a glance."""
+
+    def __init__(self, block_m, block_n, num_warps, num_stages, warp_specialize=False):
+        self.block_m, self.block_n = block_m, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.warp_specialize = warp_specialize
+
+    def __repr__(self):
+        return (f"Config(BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, warps={self.num_warps}, "
+                f"stages={self.num_stages}, ws={self.warp_specialize})")
+
+
+def _fwd_config(head_dim_pad: int, dtype: torch.dtype) -> _Config:
+    if INTERPRET:
+        return _Config(16, 16, 4, 1)
+    if head_dim_pad <= 64:
+        return _Config(128, 128, 8, 3)
+    if head_dim_pad <= 128:
+        return _Config(128, 128, 8, 3)
+    return _Config(128, 64, 8, 2)
+
+
+def _bwd_config(head_dim_pad: int, dtype: torch.dtype) -> tuple[_Config, _Config]:
+    """(dK/dV config, dQ config)."""
+    if INTERPRET:
+        return _Config(16, 16, 4, 1), _Config(16, 16, 4, 1)
+    if head_dim_pad <= 128:
+        return _Config(64, 128, 8, 2), _Config(128, 64, 8, 2)
+    return _Config(32, 64, 4, 2), _Config(64, 32, 4, 2)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    config: _Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out, lse)."""
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    hd = _padded_headdim(d)
+    cfg = config or _fwd_config(hd, q.dtype)
+    q_, k_, v_ = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
+    _attn_fwd[grid](
+        _descriptor(q_, cfg.block_m, hd), _descriptor(k_, cfg.block_n, hd), _descriptor(v_, cfg.block_n, hd),
+        _descriptor(out_, cfg.block_m, hd), lse,
+        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, window_left, window_right,
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    out = out_[..., :d] if out_.shape[-1] != d else out_
+    return out, lse
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    deterministic: bool = False,
+    dlse: torch.Tensor | None = None,
+    configs: tuple[_Config, _Config] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch preprocess, dK/dV and dQ kernels. Deterministic whatever ``deterministic`` says."""
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    hd = _padded_headdim(d)
+    cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype)
+    q_, k_, v_, do_ = _tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(dout)
+
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    pre_m = 64 if not INTERPRET else 16
+    _bwd_preprocess[(triton.cdiv(seqlen_q, pre_m), batch * nheads)](
+        out, dout, dlse if dlse is not None else lse, lse, delta, lse2,
+        out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        seqlen_q, nheads, d,
+        HAS_DLSE=dlse is not None, BLOCK_M=pre_m, HEAD_DIM=hd,
+    )
+
+    dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
+    dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
+    dv_ = torch.empty(v_.shape, dtype=v.dtype, device=v.device)
+    common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+                  DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd)
+    group = nheads // nheads_k
+    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k)](
+        _descriptor(q_, cfg_kv.block_m, hd), _descriptor(k_, cfg_kv.block_n, hd),
+        _descriptor(v_, cfg_kv.block_n, hd), _descriptor(do_, cfg_kv.block_m, hd),
+        _descriptor(dk_, cfg_kv.block_n, hd), _descriptor(dv_, cfg_kv.block_n, hd), lse2, delta,
+        seqlen_q, seqlen_k, nheads_k, group, softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
+        num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+    )
+    _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads)](
+        _descriptor(q_, cfg_q.block_m, hd), _descriptor(k_, cfg_q.block_n, hd),
+        _descriptor(v_, cfg_q.block_n, hd), _descriptor(do_, cfg_q.block_m, hd),
+        _descriptor(dq_, cfg_q.block_m, hd), lse2, delta,
+        seqlen_q, seqlen_k, nheads, group, softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
+        num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+    )
+
+    def unpad(x):
+        return x[..., :d] if x.shape[-1] != d else x
+
+    return unpad(dq_), unpad(dk_), unpad(dv_)

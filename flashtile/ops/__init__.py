@@ -1,0 +1,1 @@
+"""Autograd / custom-op wrappers and argument validation."""

@@ -1,0 +1,98 @@
+"""Attention as PyTorch custom ops, with autograd.
+
+Two ops, ``flashtile::attention_forward`` and ``flashtile::attention_backward``, each with a
+fake (meta) implementation so ``torch.compile(fullgraph=True)`` traces through them without
+a graph break.  Each dispatches on the device: CUDA tensors go to the Triton kernels,
+everything else to the tiled PyTorch CPU path.  The backward recomputes P from the saved
+LSE; nothing of size seqlen_q x seqlen_k is saved between the two.
+"""
+
+from typing import Optional
+
+import torch
+
+from flashtile import cpu
+
+
+def _backend(t: torch.Tensor):
+    if t.is_cuda:
+        from flashtile.kernels import attention as triton_attention
+
+        return triton_attention
+    return cpu
+
+
+@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``deterministic`` only matters to the backward; the forward takes it so that autograd
+    # can save it with the inputs.
+    return _backend(q).attention_forward(q, k, v, softmax_scale, window_left, window_right)
+
+
+@attention_forward.register_fake
+def _(q, k, v, softmax_scale, window_left, window_right, deterministic):
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    backend = _backend(q)
+    if backend is cpu:  # the CPU path is deterministic by construction
+        return cpu.attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse=dlse)
+    return backend.attention_backward(
+        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic, dlse=dlse
+    )
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, deterministic):
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, window_left, window_right, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale = softmax_scale
+    ctx.window = (window_left, window_right)
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # A loss that uses the LSE (return_lse=True) adds dlse_i * P_ij to dS_ij; it is folded
+    # into the backward's per-row term D_i, so it costs nothing when absent.
+    dq, dk, dv = attention_backward(
+        dout.contiguous(), q, k, v, out, lse, dlse, ctx.softmax_scale, *ctx.window, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

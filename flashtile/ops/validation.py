@@ -1,0 +1,156 @@
+"""Argument checking for the public attention API.
+
+Every public entry point calls :func:`check_attention_inputs` before any kernel sees a
+tensor, so a wrong dtype, device, rank, shape or stride becomes a ``TypeError`` /
+``ValueError`` that names the argument -- never a crash inside a kernel or a silent
+wrong answer.  Supported-but-not-yet-implemented options raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashtile.masking import normalize_window
+
+MAX_HEADDIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """The normalised scalar arguments every backend receives."""
+
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    dropout_p: float
+    deterministic: bool
+
+
+def _check_tensor(name: str, t, rank: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} must have dtype {_DTYPE_NAMES}, got {t.dtype}")
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last (head) dimension, got strides {tuple(t.stride())}; "
+            f"call .contiguous() first"
+        )
+
+
+def _check_scalar(name: str, value, kind, accepted: str):
+    if isinstance(value, bool) and kind is not bool:
+        raise TypeError(f"{name} must be {accepted}, got bool")
+    if kind is float:
+        if not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be {accepted}, got {value}")
+        return value
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
+    return value
+
+
+def check_window(window_size) -> tuple[int, int]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"window_size {side} must be an int (-1 = unbounded), got {w!r}")
+        if w < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {w}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_attention_inputs(
+    q,
+    k,
+    v,
+    *,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    packed: bool = False,
+) -> AttentionParams:
+    """Validate dense ``(batch, seqlen, nheads, headdim)`` (or packed ``(total, nheads, headdim)``)
+    inputs and return the normalised scalar parameters."""
+    rank = 3 if packed else 4
+    layout_q = "(total_q, nheads, headdim)" if packed else "(batch, seqlen_q, nheads, headdim)"
+    layout_k = "(total_k, nheads_k, headdim)" if packed else "(batch, seqlen_k, nheads_k, headdim)"
+    _check_tensor("q", q, rank, layout_q)
+    _check_tensor("k", k, rank, layout_k)
+    _check_tensor("v", v, rank, layout_k)
+
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q must be on a cpu or cuda device, got {q.device}")
+
+    if not packed and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+        )
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in all but the head dimension, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    headdim = q.shape[-1]
+    if k.shape[-1] != headdim:
+        raise ValueError(f"q and k must have the same head dimension, got {headdim} and {k.shape[-1]}")
+    if v.shape[-1] != headdim:
+        raise ValueError(f"v must have the same head dimension as q ({headdim}), got {v.shape[-1]}")
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"head dimension must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k}) (GQA/MQA)"
+        )
+
+    dropout_p = _check_scalar("dropout_p", dropout_p, float, "a float in [0, 1)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if softmax_scale is None:
+        softmax_scale = headdim ** -0.5
+    softmax_scale = _check_scalar("softmax_scale", softmax_scale, float, "a finite float > 0 or None")
+    if softmax_scale <= 0:
+        # The kernels fold the scale into the row max (max(s) * scale), valid for scale > 0.
+        raise ValueError(f"softmax_scale must be > 0 (or None for headdim ** -0.5), got {softmax_scale}")
+    causal = _check_scalar("causal", causal, bool, "a bool")
+    left, right = normalize_window(causal, check_window(window_size))
+    softcap = _check_scalar("softcap", softcap, float, "a finite float >= 0")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+    deterministic = _check_scalar("deterministic", deterministic, bool, "a bool")
+
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        raise NotImplementedError("alibi_slopes is not implemented yet; pass alibi_slopes=None")
+    if dropout_p > 0.0:
+        raise NotImplementedError("dropout_p > 0 is not implemented yet; pass dropout_p=0.0")
+    if softcap > 0.0:
+        raise NotImplementedError("softcap > 0 is not implemented yet; pass softcap=0.0")
+
+    return AttentionParams(
+        softmax_scale=softmax_scale,
+        window_left=left,
+        window_right=right,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        deterministic=deterministic,
+    )
