@@ -133,7 +133,8 @@ def attention_backward(
 
     for q0 in range(0, seqlen_q, block_m):
         q1 = min(q0 + block_m, seqlen_q)
-        qc = qh[..., q0:q1, :].to(acc_dtype)
+        # Scale q once, exactly as the forward did, so the recomputed P matches its rounding.
+        qc = qh[..., q0:q1, :].to(acc_dtype) * softmax_scale
         doc = doh[..., q0:q1, :].to(acc_dtype)
         # D_i = rowsum(dO_i * O_i) = rowsum(P_i * dP_i): the softmax Jacobian's correction term.
         delta = (doc * oh[..., q0:q1, :].to(acc_dtype)).sum(dim=-1)
@@ -149,7 +150,7 @@ def attention_backward(
             k0 = max(k0, lo)
             kc = kh[..., k0:k1, :].to(acc_dtype)
             vc = vh[..., k0:k1, :].to(acc_dtype)
-            s = (qc @ kc.transpose(-1, -2)) * softmax_scale
+            s = qc @ kc.transpose(-1, -2)
             if masked:
                 s = s.masked_fill(~_chunk_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, window_left, window_right, q.device), float("-inf"))
             p = torch.exp(s - lse_safe[..., None])
@@ -157,7 +158,7 @@ def attention_backward(
             dp = doc @ vc.transpose(-1, -2)
             ds = p * (dp - delta[..., None])
             dq[..., q0:q1, :] += (ds @ kc) * softmax_scale
-            dk[..., k0:k1, :] += ((ds.transpose(-1, -2) @ qc) * softmax_scale).sum(dim=2, keepdim=True)
+            dk[..., k0:k1, :] += (ds.transpose(-1, -2) @ qc).sum(dim=2, keepdim=True)  # qc carries the scale
 
     def back(x, dtype, heads):
         b, hk, g, n, dd = x.shape

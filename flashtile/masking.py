@@ -46,7 +46,7 @@ def visible(i, j, seqlen_q: int, seqlen_k: int, left: int, right: int):
     function serves NumPy and PyTorch.
     """
     diag = i + (seqlen_k - seqlen_q)
-    ok = (j < seqlen_k) & (j >= 0)
+    ok = (i >= 0) & (j >= 0) & (j < seqlen_k)  # i in the expression keeps the full broadcast shape
     if right >= 0:
         ok = ok & (j <= diag + right)
     if left >= 0:

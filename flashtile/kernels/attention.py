@@ -45,6 +45,23 @@ def _is_hopper() -> bool:
     return (not INTERPRET) and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+@triton.jit
+def _tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """Map the 1-D program id to (tile index, batch * head).
+
+    One flat grid dimension: CUDA caps grid y/z at 65535, which batch * heads can exceed.
+    Tiles of one head are adjacent so they share that head's K/V stream in L2.  With a
+    causal-like mask later tiles have more work (HEAVY_LAST): they start first, so the
+    longest programs do not run last on a half-empty GPU.
+    """
+    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(seqlen, BLOCK)
+    tile = pid % num_tiles
+    if HEAVY_LAST:
+        tile = num_tiles - 1 - tile
+    return tile, pid // num_tiles
+
+
 # --------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------
@@ -95,12 +112,7 @@ def _attn_fwd(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if MASK_RIGHT:
-        # Causal-like masks give later query tiles more work: start those first so the
-        # longest programs do not run last on a half-empty GPU.
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
     h = bh % nheads
     hk = h // group
@@ -151,8 +163,7 @@ def _bwd_preprocess(
     seqlen_q, nheads, headdim,
     HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, False)
     b = bh // nheads
     h = bh % nheads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -212,8 +223,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    pid_n, bhk = _tile_and_head(seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     n0 = pid_n * BLOCK_N
@@ -276,10 +286,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if MASK_RIGHT:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
     h = bh % nheads
     hk = h // group
@@ -354,22 +361,36 @@ class _Config:
                 f"stages={self.num_stages}, ws={self.warp_specialize})")
 
 
-def _fwd_config(head_dim_pad: int, dtype: torch.dtype) -> _Config:
+def _fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> _Config:
+    """Tiles measured best on an H200 (bf16, N = 16k; benchmarks/tune_attention.py).
+
+    Warp specialisation (``tl.range(..., warp_specialize=True)``) measured no faster than
+    plain software pipelining for this kernel on sm_90 with Triton 3.6, and with 4 warps it
+    failed to compile, so no config uses it.
+    """
     if INTERPRET:
         return _Config(16, 16, 4, 1)
-    if head_dim_pad <= 64:
-        return _Config(128, 128, 8, 3)
     if head_dim_pad <= 128:
-        return _Config(128, 128, 8, 3)
-    return _Config(128, 64, 8, 2)
+        return _Config(64, 64, 4, 3)
+    return _Config(64, 32, 4, 3) if causal else _Config(128, 64, 8, 3)
 
 
-def _bwd_config(head_dim_pad: int, dtype: torch.dtype) -> tuple[_Config, _Config]:
-    """(dK/dV config, dQ config)."""
+def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_Config, _Config]:
+    """(dK/dV config, dQ config), measured on an H200 (bf16, N = 16k).
+
+    The dK/dV kernel's query tile is never as tall as the head dim: with
+    BLOCK_M == HEAD_DIM, Triton 3.6 miscompiled the non-causal kernel on sm_90 (dK, dV off
+    by ~80 % relative, measured for (64, 128) at d = 64 and (128, 128) at d = 128), while
+    the same configs were correct for causal masks and in the interpreter.
+    """
     if INTERPRET:
         return _Config(16, 16, 4, 1), _Config(16, 16, 4, 1)
+    if head_dim_pad <= 32:
+        return _Config(64, 128, 8, 2), _Config(64, 64, 4, 3)
+    if head_dim_pad <= 64:
+        return _Config(32, 128, 4, 3), _Config(64, 64, 4, 3)
     if head_dim_pad <= 128:
-        return _Config(64, 128, 8, 2), _Config(128, 64, 8, 2)
+        return _Config(64, 128, 8, 2), _Config(64, 64, 4, 3)
     return _Config(32, 64, 4, 2), _Config(64, 32, 4, 2)
 
 
@@ -391,11 +412,11 @@ def attention_forward(
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     hd = _padded_headdim(d)
-    cfg = config or _fwd_config(hd, q.dtype)
+    cfg = config or _fwd_config(hd, q.dtype, window_right >= 0)
     q_, k_, v_ = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * nheads)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
     _attn_fwd[grid](
         _descriptor(q_, cfg.block_m, hd), _descriptor(k_, cfg.block_n, hd), _descriptor(v_, cfg.block_n, hd),
         _descriptor(out_, cfg.block_m, hd), lse,
@@ -427,13 +448,13 @@ def attention_backward(
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     hd = _padded_headdim(d)
-    cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype)
+    cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype, window_right >= 0)
     q_, k_, v_, do_ = _tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(dout)
 
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     pre_m = 64 if not INTERPRET else 16
-    _bwd_preprocess[(triton.cdiv(seqlen_q, pre_m), batch * nheads)](
+    _bwd_preprocess[(triton.cdiv(seqlen_q, pre_m) * batch * nheads,)](
         out, dout, dlse if dlse is not None else lse, lse, delta, lse2,
         out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
@@ -447,7 +468,7 @@ def attention_backward(
     common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
                   DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd)
     group = nheads // nheads_k
-    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg_kv.block_n), batch * nheads_k)](
+    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
         _descriptor(q_, cfg_kv.block_m, hd), _descriptor(k_, cfg_kv.block_n, hd),
         _descriptor(v_, cfg_kv.block_n, hd), _descriptor(do_, cfg_kv.block_m, hd),
         _descriptor(dk_, cfg_kv.block_n, hd), _descriptor(dv_, cfg_kv.block_n, hd), lse2, delta,
@@ -455,7 +476,7 @@ def attention_backward(
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
-    _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg_q.block_m), batch * nheads)](
+    _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg_q.block_m) * batch * nheads,)](
         _descriptor(q_, cfg_q.block_m, hd), _descriptor(k_, cfg_q.block_n, hd),
         _descriptor(v_, cfg_q.block_n, hd), _descriptor(do_, cfg_q.block_m, hd),
         _descriptor(dq_, cfg_q.block_m, hd), lse2, delta,

@@ -41,7 +41,9 @@ def attention_forward(
 def _(q, k, v, softmax_scale, window_left, window_right, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    # float32 LSE, except for float64 inputs, which the CPU path keeps in float64 (oracle use).
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=lse_dtype)
     return out, lse
 
 

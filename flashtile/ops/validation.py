@@ -62,8 +62,10 @@ def _check_scalar(name: str, value, kind, accepted: str):
 
 
 def check_window(window_size) -> tuple[int, int]:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    if not isinstance(window_size, (tuple, list)):
         raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {len(window_size)} values: {window_size!r}")
     for side, w in zip(("left", "right"), window_size):
         if isinstance(w, bool) or not isinstance(w, int):
             raise TypeError(f"window_size {side} must be an int (-1 = unbounded), got {w!r}")

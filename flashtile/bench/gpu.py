@@ -1,0 +1,265 @@
+"""The standard attention benchmark on a CUDA GPU, every implementation side by side in one process.
+
+Shapes follow the FlashAttention papers: ``batch * seqlen = 16384`` and
+``nheads * headdim = 2048``, headdim 64 / 128 / 256, seqlen 512 ... 16k, causal and not, bf16.
+FLOPs: ``4 * batch * nheads * seqlen^2 * headdim`` forward (halved when causal), times 2.5
+for the backward and 3.5 for forward + backward.  Timings are medians from
+``triton.testing.do_bench`` (CUDA events).  Peers:
+
+* ``flashtile`` -- this library (``flash_attn_func``);
+* ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient`` -- PyTorch SDPA pinned to one backend;
+* ``flex`` -- FlexAttention under ``torch.compile`` (the recompile limit is raised, otherwise
+  new shapes silently fall back to eager);
+* ``naive`` -- ``softmax(q k^T) v`` materialising the scores, skipped when it would not fit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flashtile.bench.common import environment, write_jsonl
+
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEADDIMS = (64, 128, 256)
+ALL_IMPLS = ("flashtile", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "naive")
+NAIVE_BYTES_LIMIT = 48 * 2**30
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode) -> float:
+    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    if causal:
+        f /= 2
+    return f * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+
+
+def _impl_fn(impl: str, causal: bool, headdim: int):
+    """Return ``f(q, k, v) -> out`` taking flash-attn layout (b, n, h, d) tensors."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if impl == "flashtile":
+        import flashtile
+
+        return lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal)
+    if impl.startswith("sdpa_"):
+        backend = {
+            "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+            "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+        }[impl]
+
+        def sdpa(q, k, v):
+            with sdpa_kernel([backend]):
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+            return o.transpose(1, 2)
+
+        return sdpa
+    if impl == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 1024
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = 1024
+        compiled = torch.compile(flex_attention, dynamic=False)
+        masks = {}
+
+        def flex(q, k, v):
+            b, n, h, _ = q.shape
+            block_mask = None
+            if causal:
+                key = (n, k.shape[1])
+                if key not in masks:
+                    masks[key] = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, n, k.shape[1], device=q.device)
+                block_mask = masks[key]
+            o = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
+            return o.transpose(1, 2)
+
+        return flex
+    if impl == "naive":
+
+        def naive(q, k, v):
+            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            s = (qh @ kh.transpose(-1, -2)) * (headdim ** -0.5)
+            if causal:
+                n, m = s.shape[-2:]
+                keep = torch.ones(n, m, dtype=torch.bool, device=s.device).tril(m - n)
+                s = s.masked_fill(~keep, float("-inf"))
+            return (torch.softmax(s.float(), dim=-1).to(q.dtype) @ vh).transpose(1, 2)
+
+        return naive
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)}")
+
+
+def _time(fn, mode, q, k, v):
+    import triton
+
+    if mode == "fwd":
+        return triton.testing.do_bench(lambda: fn(q, k, v), warmup=5, rep=25, return_mode="median")
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def step():
+        out = fn(q, k, v)
+        out.backward(dout)
+
+    return triton.testing.do_bench(step, warmup=5, rep=25, grad_to_none=[q, k, v], return_mode="median")
+
+
+def peak_extra_memory(impl, causal, batch, seqlen, nheads, headdim, dtype=torch.bfloat16) -> int:
+    """Peak bytes allocated beyond q, k, v and dout during one forward + backward."""
+    fn = _impl_fn(impl, causal, headdim)
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    fn(q, k, v).backward(dout)  # warm-up / compile outside the measurement
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(q, k, v).backward(dout)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def run_gpu_benchmark(
+    out_dir="benchmarks/results",
+    compare=ALL_IMPLS,
+    quick=False,
+    seqlens=None,
+    headdims=None,
+    causals=(False, True),
+    modes=("fwd", "fwd_bwd"),
+    dtype=torch.bfloat16,
+    memory_seqlen=32768,
+    progress=True,
+) -> list[dict]:
+    """Run the benchmark, append records to ``out_dir/attention.jsonl`` and draw the plots."""
+    from tqdm import tqdm
+
+    impls = ["flashtile"] + [i for i in compare if i != "flashtile"]
+    seqlens = seqlens or ((1024, 4096, 16384) if quick else SEQLENS)
+    headdims = headdims or ((128,) if quick else HEADDIMS)
+    env = environment("cuda")
+    records = []
+    jobs = [(d, c, n, m, i) for d in headdims for c in causals for n in seqlens for m in modes for i in impls]
+    bar = tqdm(jobs, disable=not progress, desc="attention")
+    fns = {}
+    for headdim, causal, seqlen, mode, impl in bar:
+        bar.set_postfix_str(f"d={headdim} causal={int(causal)} n={seqlen} {mode} {impl}")
+        batch, nheads = max(1, 16384 // seqlen), 2048 // headdim
+        rec = dict(bench="attention", impl=impl, mode=mode, dtype=str(dtype).replace("torch.", ""), batch=batch,
+                   nheads=nheads, nheads_k=nheads, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim, causal=causal, **env)
+        naive_bytes = batch * nheads * seqlen * seqlen * (2 + 4 + 2) * (3 if mode == "fwd_bwd" else 1)
+        if impl == "naive" and naive_bytes > NAIVE_BYTES_LIMIT:
+            records.append(dict(rec, ms=None, tflops=None, skipped="scores would not fit"))
+            continue
+        key = (impl, causal, headdim)
+        if key not in fns:
+            fns[key] = _impl_fn(impl, causal, headdim)
+        gen = torch.Generator(device="cuda").manual_seed(seqlen)
+        q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+        try:
+            ms = _time(fns[key], mode, q, k, v)
+        except Exception as e:  # noqa: BLE001 - a peer without support for a shape is recorded, not fatal
+            records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
+        tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode) / (ms * 1e-3) / 1e12
+        records.append(dict(rec, ms=ms, tflops=tflops))
+        del q, k, v
+        torch.cuda.empty_cache()
+
+    if memory_seqlen:
+        for impl in impls:
+            if impl == "naive":
+                continue
+            for causal in causals:
+                nheads, headdim = 16, 128
+                rec = dict(bench="attention_memory", impl=impl, mode="fwd_bwd", dtype=str(dtype).replace("torch.", ""),
+                           batch=1, nheads=nheads, nheads_k=nheads, seqlen_q=memory_seqlen, seqlen_k=memory_seqlen,
+                           headdim=headdim, causal=causal, **env)
+                try:
+                    records.append(dict(rec, peak_extra_bytes=peak_extra_memory(impl, causal, 1, memory_seqlen, nheads, headdim, dtype)))
+                except Exception as e:  # noqa: BLE001
+                    records.append(dict(rec, peak_extra_bytes=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
+                torch.cuda.empty_cache()
+
+    out_dir = Path(out_dir)
+    write_jsonl(out_dir / "attention.jsonl", records)
+    print_table(records)
+    try:
+        plot(records, out_dir / "attention.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    return records
+
+
+def print_table(records) -> None:
+    rows = [r for r in records if r["bench"] == "attention"]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    print(f"\nTFLOP/s ({rows[0]['device'] if rows else ''})")
+    print(f"{'d':>4} {'causal':>6} {'mode':>8} {'N':>6} " + " ".join(f"{i:>14}" for i in impls))
+    keys = list(dict.fromkeys((r["headdim"], r["causal"], r["mode"], r["seqlen_q"]) for r in rows))
+    for d, c, m, n in keys:
+        vals = {r["impl"]: r.get("tflops") for r in rows if (r["headdim"], r["causal"], r["mode"], r["seqlen_q"]) == (d, c, m, n)}
+        cells = " ".join(f"{vals[i]:>14.1f}" if vals.get(i) else f"{'-':>14}" for i in impls)
+        print(f"{d:>4} {int(c):>6} {m:>8} {n:>6} {cells}")
+    mem = [r for r in records if r["bench"] == "attention_memory"]
+    if mem:
+        print(f"\nPeak extra memory, fwd+bwd, N={mem[0]['seqlen_q']}, {mem[0]['nheads']} heads, d={mem[0]['headdim']}")
+        for r in mem:
+            b = r.get("peak_extra_bytes")
+            print(f"  {r['impl']:>14} causal={int(r['causal'])}: {b / 2**20:.1f} MiB" if b is not None else f"  {r['impl']:>14} causal={int(r['causal'])}: -")
+
+
+def plot(records, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r["bench"] == "attention" and r.get("tflops")]
+    panels = sorted({(r["mode"], r["headdim"], r["causal"]) for r in rows})
+    modes = sorted({p[0] for p in panels}, reverse=True)
+    cols = sorted({(p[1], p[2]) for p in panels})
+    fig, axes = plt.subplots(len(modes), len(cols), figsize=(3.6 * len(cols), 3.2 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, (d, c) in enumerate(cols):
+            ax = axes[i][j]
+            for impl in dict.fromkeys(r["impl"] for r in rows):
+                pts = sorted((r["seqlen_q"], r["tflops"]) for r in rows if (r["impl"], r["mode"], r["headdim"], r["causal"]) == (impl, mode, d, c))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, lw=2.5 if impl == "flashtile" else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, d={d}, {'causal' if c else 'non-causal'}", fontsize=9)
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    dev = rows[0]["device"] if rows else ""
+    fig.suptitle(f"Attention, bf16, batch*seqlen=16k, nheads*headdim=2048 ({dev})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cli():
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--compare", default=",".join(ALL_IMPLS[1:]))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--headdims", type=int, nargs="+")
+    ap.add_argument("--seqlens", type=int, nargs="+")
+    ap.add_argument("--no-memory", action="store_true")
+    args = ap.parse_args()
+    run_gpu_benchmark(args.out, compare=[c for c in args.compare.split(",") if c], quick=args.quick,
+                      headdims=args.headdims, seqlens=args.seqlens, memory_seqlen=0 if args.no_memory else 32768)
+
+
+if __name__ == "__main__":
+    _cli()
