@@ -3,9 +3,11 @@
     python benchmarks/bench_cpu_memory.py [--seqlens 4096 8192 16384 32768] [--bwd-max 32768]
 
 batch 1, 1 head, headdim 64, float32, non-causal.  For every N it runs flashtile's forward
-and forward+backward once, each in a fresh Python process (warmed up on N=256 first), and
-records the peak extra resident memory of the call (:func:`flashtile.bench.common.peak_memory`:
-peak RSS during the call minus RSS with the inputs allocated).  It prints bytes and bytes/N,
+and forward+backward once, each in a fresh Python process (warmed up on N=256 first, glibc
+set to give every allocation >= 64 KiB back on free, see ``flashtile.bench.cpu.ISOLATED_ENV``),
+and records the peak extra resident memory of the call
+(:func:`flashtile.bench.common.peak_memory`: peak RSS during the call minus RSS with the
+inputs allocated).  It prints bytes and bytes/N,
 and a least-squares fit peak = a + b * N: a constant (the chunk temporaries and allocator
 slack, a few MiB) plus a slope close to the O(N) outputs, next to the 4 * N^2 bytes that the fp32 N x N
 score matrix of naive attention alone would take (computed; naive is measured for real only
@@ -27,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from flashtile.bench.common import OtherCpuLoad, cpu_peak_memory_method, environment, format_bytes, write_jsonl
-from flashtile.bench.cpu import measure_isolated
+from flashtile.bench.cpu import ISOLATED_ENV, memory_isolated
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "cpu_memory.jsonl"
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     env = environment("cpu")
-    method = cpu_peak_memory_method() + ", fresh process per case"
+    method = cpu_peak_memory_method() + ", fresh process per case, " + " ".join(f"{k}={v}" for k, v in ISOLATED_ENV.items())
     print(f"flashtile CPU path, peak extra memory: batch 1, 1 head, headdim {D}, float32, non-causal")
     print(f"device: {env['device']}; torch {env['torch']}; method: {method}\n")
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     for impl, mode, n in cases:
         t0 = time.perf_counter()
         with OtherCpuLoad() as load:
-            r = measure_isolated(impl, mode, n, headdim=D, time_it=False)
+            (r,) = memory_isolated([dict(impl=impl, mode=mode, seqlen=n, headdim=D)])
         wall = time.perf_counter() - t0
         rec = {
             "bench": "cpu_memory",
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
             "headdim": D,
             "causal": False,
             # One call, the measured one (includes faulting in fresh pages): not a tuned timing.
-            "ms": r["first_ms"],
+            "ms": r["call_ms"],
             "peak_extra_bytes": r["peak_extra_bytes"],
             "bytes_per_token": r["peak_extra_bytes"] / n,
             "naive_scores_bytes": 4 * n * n,
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
         records.append(rec)
         write_jsonl(args.out, [rec])
         print(f"  measured {impl:9s} {mode:7s} N={n:6d}: {format_bytes(rec['peak_extra_bytes']):>10}  "
-              f"({rec['ms'] / 1e3:.1f} s call, {wall:.0f} s with process start)", flush=True)
+              f"({rec['ms'] / 1e3:.1f} s call, {wall:.0f} s with process start; not a timing: the "
+              f"measuring allocator maps every block afresh)", flush=True)
 
     print()
     nd4 = lambda n: n * D * 4  # one N x D float32 tensor
