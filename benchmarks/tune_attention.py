@@ -22,8 +22,11 @@ def flops(b, h, n, d, causal, mode):
     return f * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
 
 
-def _bwd_candidates(hd):
+def _bwd_candidates(hd, kv_tiles=None):
     """(dK/dV config, dQ config) pairs: vary one kernel at a time around a base."""
+    if kv_tiles:
+        dq_base = (64, 64, 4, 3) if hd <= 128 else (128, 64, 8, 2)
+        return [(ka._Config(*t), ka._Config(*dq_base)) for t in kv_tiles]
     kv = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2)]
     dq = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 32, 4, 3)]
     if hd >= 256:
@@ -42,6 +45,7 @@ def main():
     ap.add_argument("--bwd", action="store_true")
     ap.add_argument("--fwd", action="store_true")
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--kv", nargs="+", help="dK/dV tiles to try, as BLOCK_M,BLOCK_N,warps,stages")
     args = ap.parse_args()
     rows = []
     n = args.seqlen
@@ -79,7 +83,8 @@ def main():
                 dos = torch.randn_like(os_)
                 ref = cpu.attention_backward(dos.float(), qs.float(), ks.float(), vs.float(), os_.float(), lses,
                                              d ** -0.5, -1, right, block_m=1024, block_n=1024)
-                for cfg_kv, cfg_q in _bwd_candidates(hd):
+                kv_tiles = [tuple(map(int, t.split(","))) for t in args.kv] if args.kv else None
+                for cfg_kv, cfg_q in _bwd_candidates(hd, kv_tiles):
                     try:
                         got = ka.attention_backward(dos, qs, ks, vs, os_, lses, d ** -0.5, -1, right, configs=(cfg_kv, cfg_q))
                         errs = [((a.float() - r).norm() / r.norm()).item() for a, r in zip(got, ref)]

@@ -191,8 +191,16 @@ def _dkdv_tiles(
     seqlen_q, seqlen_k, qk_scale, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
+    """Accumulate one query run's contribution to dK, dV of the resident key tile.
+
+    Two orientations of the same math.  ``KV_AS_B=False`` scores the transposed tile
+    (keys x queries) with K, V as the left (A) operand, so P^T and dS^T feed the dV/dK
+    products directly -- but the compiler then holds K and V in registers next to the two
+    fp32 accumulators.  ``KV_AS_B=True`` scores (queries x keys) with K, V as the right (B)
+    operand, which stays in shared memory, and transposes P and dS instead.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     row_base = bh.to(tl.int64) * seqlen_q
     for m0 in range(start, end, BLOCK_M):
@@ -200,19 +208,30 @@ def _dkdv_tiles(
         q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         # Rows past seqlen_q read LSE2 = +inf (P = 0) and D = 0.
         lse2 = tl.load(LSE2 + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
-        # Work on the transposed tile (keys x queries) so K, V stay the resident operand.
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED:
-            visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                MASK_LEFT, MASK_RIGHT)
-            pT = tl.where(tl.trans(visible), pT, 0.0)
-        do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+        if KV_AS_B:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+            if MASKED:
+                visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                    MASK_LEFT, MASK_RIGHT)
+                p = tl.where(visible, p, 0.0)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+        else:
+            qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+            pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+            if MASKED:
+                visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                    MASK_LEFT, MASK_RIGHT)
+                pT = tl.where(tl.trans(visible), pT, 0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dsT = pT * (dpT - delta[None, :])
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -222,6 +241,7 @@ def _attn_bwd_dkdv(
     seqlen_q, seqlen_k, nheads_k, group, qk_scale, softmax_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_AS_B: tl.constexpr,
 ):
     pid_n, bhk = _tile_and_head(seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
@@ -241,14 +261,14 @@ def _attn_bwd_dkdv(
         if MASK_RIGHT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, lo, full_lo,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION, KV_AS_B)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_lo, full_hi,
                              seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+                             BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, DOT_PRECISION, KV_AS_B)
         if MASK_LEFT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_hi, hi,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION, KV_AS_B)
     DV_desc.store([b, n0, hk, 0], dv.to(DV_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
     dk = dk * softmax_scale
     DK_desc.store([b, n0, hk, 0], dk.to(DK_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
@@ -351,14 +371,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 class _Config:
     """One tile configuration; small enough to read at a glance."""
 
-    def __init__(self, block_m, block_n, num_warps, num_stages, warp_specialize=False):
+    def __init__(self, block_m, block_n, num_warps, num_stages, warp_specialize=False, kv_as_b=False):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
         self.warp_specialize = warp_specialize
+        self.kv_as_b = kv_as_b  # dK/dV kernel only: which operand K, V are (see _dkdv_tiles)
 
     def __repr__(self):
         return (f"Config(BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, warps={self.num_warps}, "
-                f"stages={self.num_stages}, ws={self.warp_specialize})")
+                f"stages={self.num_stages}, ws={self.warp_specialize}, kv_as_b={self.kv_as_b})")
 
 
 def _fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> _Config:
@@ -474,7 +495,7 @@ def attention_backward(
         _descriptor(v_, cfg_kv.block_n, hd), _descriptor(do_, cfg_kv.block_m, hd),
         _descriptor(dk_, cfg_kv.block_n, hd), _descriptor(dv_, cfg_kv.block_n, hd), lse2, delta,
         seqlen_q, seqlen_k, nheads_k, group, softmax_scale * LOG2E, softmax_scale, window_left, window_right,
-        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
     _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg_q.block_m) * batch * nheads,)](

@@ -1,0 +1,95 @@
+"""Compile the attention kernels for sm_90 without a GPU and report registers, spills and SASS.
+
+Triton compiles for an explicit target on any machine, and its wheel carries ``ptxas`` and
+``cuobjdump``: so register pressure -- the first suspect when a kernel runs far below the
+tensor-core rate -- can be read here, before spending device time.  Example::
+
+    python benchmarks/kernel_report.py dkdv --tiles 64,128,8,2 32,128,8,2 --headdim 128 --causal 0 1
+
+prints, per configuration, ptxas's register count and spill bytes and the number of
+``HGMMA`` (wgmma) and local-memory (``LDL``/``STL``) instructions in the SASS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from flashtile.kernels import attention as ka
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32"}
+
+
+def _desc(rows: int, hd: int, dtype: str) -> str:
+    return f"tensordesc<{dtype}[1, {rows}, 1, {hd}]>"
+
+
+def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
+                   kv_as_b: bool = False, dtype: str = "bf16"):
+    masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
+             "DOT_PRECISION": "tf32"}
+    if kind == "fwd":
+        fn = ka._attn_fwd
+        sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
+               "O_desc": _desc(bm, hd, dtype), "LSE": "*fp32", **COMMON, "nheads": "i32", "group": "i32"}
+        consts = dict(masks, WARP_SPECIALIZE=False)
+    elif kind == "dkdv":
+        fn = ka._attn_bwd_dkdv
+        sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
+               "DO_desc": _desc(bm, hd, dtype), "DK_desc": _desc(bn, hd, dtype), "DV_desc": _desc(bn, hd, dtype),
+               "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32", "group": "i32", "softmax_scale": "fp32"}
+        consts = dict(masks, KV_AS_B=kv_as_b)
+    elif kind == "dq":
+        fn = ka._attn_bwd_dq
+        sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
+               "DO_desc": _desc(bm, hd, dtype), "DQ_desc": _desc(bm, hd, dtype),
+               "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads": "i32", "group": "i32", "softmax_scale": "fp32"}
+        consts = masks
+    else:
+        raise ValueError(f"kind must be fwd, dkdv or dq, got {kind!r}")
+    # The signature must list every parameter, in any order, constexprs included.
+    sig.update({name: "constexpr" for name in consts})
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
+
+
+def report(kernel) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                           capture_output=True, text=True)
+        info = " ".join(line.split("ptxas info    : ")[-1] for line in r.stderr.splitlines()
+                        if "registers" in line or "spill" in line)
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    return {"ptxas": info, **{op: sass.count(op) for op in ("HGMMA", "LDL", "STL")}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kind", choices=("fwd", "dkdv", "dq"))
+    ap.add_argument("--tiles", nargs="+", default=["64,128,8,2"], help="BLOCK_M,BLOCK_N,warps,stages")
+    ap.add_argument("--headdim", type=int, nargs="+", default=[128])
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--kv-as-b", type=int, nargs="+", default=[0])
+    args = ap.parse_args()
+    for tiles, hd, causal, kvb in itertools.product(args.tiles, args.headdim, args.causal, args.kv_as_b):
+        bm, bn, w, s = map(int, tiles.split(","))
+        k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb))
+        print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb}: "
+              f"{report(k)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
