@@ -1,0 +1,134 @@
+"""``flashtile.softmax`` / ``flashtile.log_softmax``: validation, layout, autograd.
+
+The softmax dim is moved last *as a view*; rows are then described to the kernels by up to
+three leading indices with their strides (``collapse_rows``), so transposed, sliced and
+broadcast inputs and masks are read in place.  Only when a layout needs more than three
+leading indices is a contiguous copy made.  CUDA tensors run the Triton kernels (and so do
+CPU tensors under ``TRITON_INTERPRET=1``, the interpreter); otherwise plain PyTorch runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check(x, dim, scale, mask):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED:
+        raise ValueError(f"x must have dtype torch.float16, torch.bfloat16 or torch.float32, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension, got a 0-d tensor")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d x, got {dim}")
+    if scale is None:
+        scale = 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if scale != scale or scale in (float("inf"), float("-inf")):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            raise ValueError(f"mask must be boolean (True = keep) or floating (added to the scores), got {mask.dtype}")
+        if mask.device != x.device:
+            raise ValueError(f"mask must be on x's device ({x.device}), got {mask.device}")
+        try:
+            torch.broadcast_shapes(mask.shape, x.shape)
+        except RuntimeError:
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {tuple(x.shape)}") from None
+        if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
+            raise ValueError(f"mask of shape {tuple(mask.shape)} would enlarge x's shape {tuple(x.shape)}")
+    return dim % x.dim(), scale
+
+
+def _torch_softmax(x, dim, scale, mask, log):
+    """The CPU path: the same function in float32 PyTorch (empty rows give 0 / -inf, not NaN)."""
+    if x.shape[dim] == 0:
+        return x.new_empty(x.shape)
+    t = x.float() * scale
+    if mask is not None:
+        t = t.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else t + mask.float()
+    m = t.amax(dim=dim, keepdim=True)
+    shifted = t - torch.where(m == float("-inf"), 0.0, m)
+    l = shifted.exp().sum(dim=dim, keepdim=True)
+    if log:
+        y = shifted - torch.where(l == 0, 0.0, l.log())
+    else:
+        y = shifted.exp() / torch.where(l == 0, 1.0, l)
+    return y.to(x.dtype)
+
+
+def _rows(x, dim, mask):
+    """(x view with dim last, mask view, lead shape, x strides, mask strides), copying only if needed."""
+    from flashtile.kernels.softmax import collapse_rows
+
+    xm = x.movedim(dim, -1)
+    mm = None if mask is None else mask.expand(x.shape).movedim(dim, -1)
+    ref = mm if mm is not None else xm
+    layout = collapse_rows(tuple(xm.shape), tuple(xm.stride()), tuple(ref.stride()))
+    if layout is None:  # more than three non-mergeable leading dims: copy once
+        xm = xm.contiguous()
+        mm = None if mm is None else mm.contiguous()
+        ref = mm if mm is not None else xm
+        layout = collapse_rows(tuple(xm.shape), tuple(xm.stride()), tuple(ref.stride()))
+    lead, (sx, sm) = layout
+    return xm, mm, lead, sx + (xm.stride(-1),), sm + (ref.stride(-1),)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, scale, mask, log):
+        from flashtile.kernels import softmax as k
+
+        xm, mm, lead, sx, sm = _rows(x, dim, mask)
+        n_cols = xm.shape[-1]
+        y2 = k.softmax_forward(xm, mm, lead, sx, sm, n_cols, scale, log, x.dtype)
+        ctx.save_for_backward(y2, mm if (mm is not None and mm.dtype == torch.bool) else None)
+        ctx.meta = (dim, scale, log, lead, sm, tuple(xm.shape))
+        return y2.view(xm.shape).movedim(-1, dim)
+
+    @staticmethod
+    def backward(ctx, gy):
+        from flashtile.kernels import softmax as k
+
+        y2, mm = ctx.saved_tensors
+        dim, scale, log, lead, sm, moved_shape = ctx.meta
+        g2 = gy.movedim(dim, -1).contiguous().view(y2.shape)
+        dx2 = k.softmax_backward(y2, g2, mm, lead, sm, scale, log, gy.dtype)
+        return dx2.view(moved_shape).movedim(-1, dim), None, None, None, None
+
+
+def _apply(x, dim, scale, mask, log):
+    dim, scale = _check(x, dim, scale, mask)
+    if not _use_triton(x):
+        return _torch_softmax(x, dim, scale, mask, log)
+    return _Softmax.apply(x, dim, scale, mask, log)
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, scale: float | None = None, mask: torch.Tensor | None = None):
+    """``softmax(x * scale + mask)`` along ``dim``, computed in float32, returned in x's dtype.
+
+    ``mask``: boolean (True = keep; False entries become -inf) or floating (added after the
+    scale), broadcastable to ``x``; it is applied on the fly and receives no gradient.
+    A row with nothing kept (or all ``-inf``) gives zeros, not NaN; NaN / ``+inf`` inputs
+    propagate as in ``torch.softmax``.
+    """
+    return _apply(x, dim, scale, mask, log=False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1, *, scale: float | None = None, mask: torch.Tensor | None = None):
+    """``log_softmax(x * scale + mask)`` along ``dim``; an empty row gives ``-inf``."""
+    return _apply(x, dim, scale, mask, log=True)

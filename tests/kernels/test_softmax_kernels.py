@@ -1,0 +1,914 @@
+"""``flashtile.softmax`` / ``flashtile.log_softmax`` and their Triton kernels against a float64 oracle.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py``
+sets ``TRITON_INTERPRET=1``); shapes here are kept small so the whole file runs in well under
+a minute on two cores.  ``gpu`` tests (large rows, bf16, attention-score-shaped masks) are
+skipped without CUDA.
+
+Oracle: ``torch.softmax`` / ``torch.log_softmax`` in float64 of ``x.double() * scale`` with
+the mask applied (boolean: False -> -inf; floating: added), except that a row with no finite
+entry gives zeros (log-softmax: ``-inf``) and zero gradient -- flashtile's documented
+convention, where torch gives NaN.  Gradients are float64 autograd of that oracle.
+
+Tolerances (see ``assert_fwd`` / ``assert_grad``): the kernels compute in float32 and round
+the result once to the input dtype, so with ``u`` the unit roundoff of the output dtype
+(fp16 2**-11, bf16 2**-8) and ``U32`` the float32 compute error (see ``U32``) the forward
+error is at most ``(u + U32) * |y|``; we allow twice that plus a tiny absolute floor
+(fp16 ~ 1 ulp relative, bf16 ~ 7.8e-3 at 1; fp32 1e-6 + 8e-6 |y|).  The gradient bound is the
+first-order propagation of that error in the stored ``y`` through the backward formula, times
+two, plus one rounding of ``dx``.  ``test_tolerances_can_fail`` checks that outputs which are
+wrong by a few ulps, along the wrong dim, or missing the scale fail these same assertions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.kernels import softmax as ks
+from flashtile.ops import softmax as ops_softmax
+from flashtile.ops.softmax import _rows, _torch_softmax
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_kernels = pytest.mark.skipif(not (INTERPRET or CUDA), reason="needs a GPU or TRITON_INTERPRET=1")
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+NEG_INF, POS_INF, NAN = float("-inf"), float("inf"), float("nan")
+
+# Unit roundoff of the output dtype (the result is rounded once to it).
+U_OUT = {F32: 0.0, F16: 2.0**-11, BF16: 2.0**-8}
+# float32 compute error, relative: the exponent x*scale*log2(e) is rounded in float32 (for
+# |x*scale| <~ 30 that is <~ 30 * 2**-24 * ln 2 * 2 ~ 2.5e-6 relative in exp), plus exp2 and
+# reciprocal ulps and the float32 row sums.
+U32 = 4e-6
+FWD_ATOL = {False: 1e-6, True: 2e-6}  # softmax, log_softmax
+
+
+# ---------------------------------------------------------------------------------------
+# Oracle and assertions
+# ---------------------------------------------------------------------------------------
+
+
+def oracle(x, dim=-1, scale=None, mask=None, log=False):
+    """float64 (log-)softmax of ``x * scale (+ mask)``; all -inf rows -> 0 / -inf, zero gradient.
+
+    Differentiable: call it on a float64 leaf (or a view of one) to get the oracle gradient.
+    """
+    t = x.double() * (1.0 if scale is None else float(scale))
+    if mask is not None:
+        t = t.masked_fill(~mask, NEG_INF) if mask.dtype == torch.bool else t + mask.double()
+    empty = (t == NEG_INF).all(dim=dim, keepdim=True)
+    # An empty row is replaced by zeros before the softmax (torch would give NaN and NaN
+    # gradients), then its result is overwritten; the `where`s route zero gradient to it.
+    t = torch.where(empty, torch.zeros((), dtype=t.dtype, device=t.device), t)
+    y = torch.log_softmax(t, dim) if log else torch.softmax(t, dim)
+    fill = torch.full((), NEG_INF if log else 0.0, dtype=y.dtype, device=y.device)
+    return torch.where(empty, fill, y)
+
+
+def _same_nonfinite(got, ref, name):
+    """Same NaN / +inf / -inf positions as ``ref`` rounded to got's dtype (so a float64 value
+    beyond the dtype's range is expected to overflow to ±inf, as any rounding would)."""
+    g, r = got.detach().double(), ref.detach().double()
+    r = torch.where(torch.isfinite(r) & ~torch.isfinite(r.to(got.dtype).double()), r.to(got.dtype).double(), r)
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    for label, fn in (("NaN", torch.isnan), ("+inf", lambda t: t == POS_INF), ("-inf", lambda t: t == NEG_INF)):
+        a, b = fn(g), fn(r)
+        if not torch.equal(a, b):
+            raise AssertionError(
+                f"{name}: {label} pattern differs: got {int(a.sum())} entries, oracle {int(b.sum())} "
+                f"({int((a != b).sum())} positions differ)"
+            )
+    return g, r, torch.isfinite(r)
+
+
+def _check_bound(g, r, finite, bound, name, dtype):
+    err = (g - r).abs()
+    bad = finite & ~(err <= bound)
+    if bad.any():
+        i = int(torch.argmax(torch.where(bad, err - bound, torch.zeros_like(err))).item())
+        flat = lambda t: t.reshape(-1)[i].item()  # noqa: E731
+        raise AssertionError(
+            f"{name} ({dtype}): {int(bad.sum())} of {int(finite.sum())} entries out of tolerance; worst: "
+            f"got {flat(g):.9g}, oracle {flat(r):.9g}, |err| {flat(err):.3e} > bound {flat(bound):.3e}"
+        )
+
+
+def exponent_error(x, dim=-1, scale=None, mask=None):
+    """Per-row bound (natural-log units) on the float32 error of the kernels' exponent ``t - max``.
+
+    The kernels round ``x * scale * log2(e)`` (and add ``mask * log2(e)``) in float32 *before*
+    subtracting the row max, so the exponent is off by up to ~``2**-24 * (|t_i| + |max|)``
+    (three roundings allowed here), i.e. relative to the magnitude of the scores, not to their
+    spread -- torch subtracts first and does not have this term.  For N(0, 1) rows it is below
+    ``U32``; it matters for rows like ``1000 + N(0, 1)``.
+    """
+    t = x.detach().double() * (1.0 if scale is None else float(scale))
+    if mask is not None and mask.dtype != torch.bool:
+        t = t + mask.detach().double()
+    t = torch.where(torch.isfinite(t), t.abs(), torch.zeros_like(t))
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    return 3.0 * 2.0**-24 * t.amax(dim=dim, keepdim=True)
+
+
+def fwd_bound(ref, dtype, log, eexp=0.0):
+    if log:  # y = t - max - log(l): the exponent error is an absolute error in y
+        return FWD_ATOL[log] + 2.0 * ((U_OUT[dtype] + U32) * ref.abs() + eexp)
+    return FWD_ATOL[log] + 2.0 * (U_OUT[dtype] + U32 + eexp) * ref.abs()
+
+
+def assert_fwd(got, ref, dtype, log=False, name="y", eexp=0.0):
+    """``got`` (dtype) vs the float64 ``ref``: same NaN/±inf positions, finite entries within
+    ``atol + 2 (u_dtype + U32 + eexp) |ref|`` (log-softmax: ``atol + 2 ((u_dtype + U32) |ref| + eexp)``),
+    ``eexp`` from :func:`exponent_error`."""
+    assert got.dtype == dtype, f"{name}: dtype {got.dtype}, expected {dtype}"
+    g, r, finite = _same_nonfinite(got, ref, name)
+    rr = torch.where(finite, r, torch.zeros_like(r))
+    _check_bound(g, r, finite, fwd_bound(rr, dtype, log, eexp), name, dtype)
+
+
+def grad_bound(y64, g64, dx64, dim, scale, log, dtype, eexp=0.0):
+    """Twice the first-order effect on dx of the error in the stored y -- relative
+    ``u + U32 + eexp`` (log-softmax: absolute ``(u + U32)(|y| + 1) + eexp``) -- plus one
+    rounding of dx."""
+    c = 1.0 if scale is None else abs(float(scale))
+    finite_y = torch.isfinite(y64)
+    y = torch.where(finite_y, y64, torch.zeros_like(y64))
+    g = torch.where(torch.isfinite(g64), g64, torch.zeros_like(g64))
+    if log:
+        uy = (U_OUT[dtype] + U32) * (y.abs() + 1.0) + eexp
+        p = torch.where(finite_y, y64.exp(), torch.zeros_like(y64))
+        gsum = g.sum(dim, keepdim=True)
+        gabs = g.abs().sum(dim, keepdim=True)
+        prop = c * p * (uy * gsum.abs() + (U_OUT[dtype] + U32) * gabs)
+    else:
+        uy = U_OUT[dtype] + U32 + eexp
+        s = (g * y).sum(dim, keepdim=True)
+        sabs = (g * y).abs().sum(dim, keepdim=True)
+        prop = c * uy * y.abs() * ((g - s).abs() + sabs)
+    dx = torch.where(torch.isfinite(dx64), dx64, torch.zeros_like(dx64))
+    return 1e-6 + 2.0 * (prop + U_OUT[dtype] * dx.abs())
+
+
+def assert_grad(got, ref_dx, y64, g64, dim, scale, log, dtype, name="dx", eexp=0.0):
+    assert got.dtype == dtype, f"{name}: dtype {got.dtype}, expected {dtype}"
+    g, r, finite = _same_nonfinite(got, ref_dx, name)
+    _check_bound(g, r, finite, grad_bound(y64, g64, r, dim, scale, log, dtype, eexp), name, dtype)
+
+
+def randn(*shape, dtype=F32, device=DEVICE, seed=0, std=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=device)
+
+
+def fn_of(log):
+    return flashtile.log_softmax if log else flashtile.softmax
+
+
+def run_case(base, dim=-1, scale=None, mask=None, log=False, view=lambda t: t, grad=True, seed=7, fn=None):
+    """Forward (and backward) of flashtile on ``view(base)`` against the oracle on ``view(base64)``.
+
+    ``base`` is a leaf; the view (transpose, slice, expand, ...) is what flashtile sees.  The
+    gradient checked is the one with respect to that view -- flashtile's backward output; the
+    one reaching ``base`` (through the view's own backward) must have base's shape and dtype.
+    Returns ``(y, dx_view)``.
+    """
+    dtype = base.dtype
+    fn = fn or fn_of(log)
+    b = base.detach().clone().requires_grad_(grad)
+    x = view(b)
+    y = fn(x, dim, scale=scale, mask=mask)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    b64 = base.detach().double().requires_grad_(grad)
+    x64 = view(b64)
+    y64 = oracle(x64, dim, scale, mask, log)
+    eexp = exponent_error(x64, dim, scale, mask)
+    assert_fwd(y, y64, dtype, log, eexp=eexp)
+    if not grad:
+        return y, None
+    g = randn(*y.shape, dtype=dtype, device=y.device, seed=seed)
+    if x is b:
+        (dx,) = torch.autograd.grad(y, b, g)
+        db = dx
+    else:
+        dx, db = torch.autograd.grad(y, (x, b), g)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    assert dx.shape == x.shape and db.shape == base.shape and db.dtype == dtype
+    assert_grad(dx, dx64, y64.detach(), g.double(), dim, scale, log, dtype, eexp=eexp)
+    return y, dx
+
+
+# ---------------------------------------------------------------------------------------
+# The tolerances can fail
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_tolerances_can_fail(dtype, log):
+    x = randn(6, 40, dtype=dtype, device="cpu", seed=3)
+    ref = oracle(x, -1, 3.0, None, log)
+    # The exactly rounded oracle passes ...
+    assert_fwd(ref.to(dtype), ref, dtype, log)
+    # ... the wrong dim, a missing scale, and a few-ulp relative error do not.
+    wrong_dim = (torch.log_softmax if log else torch.softmax)(x.double() * 3.0, 0).to(dtype)
+    no_scale = oracle(x, -1, None, None, log).to(dtype)
+    if dtype == F32:  # 5e-5 relative + 3e-6 absolute: a few times the float32 allowance
+        perturbed = (ref * (1 + 5e-5) + 3e-6).to(dtype)
+    else:  # 4 ulps (8 unit roundoffs) relative
+        perturbed = (ref * (1 + 8 * U_OUT[dtype])).to(dtype)
+    for bad in (wrong_dim, no_scale, perturbed):
+        with pytest.raises(AssertionError):
+            assert_fwd(bad, ref, dtype, log)
+    # NaN where the oracle is finite fails (NaN compares false and must not slip through).
+    nan_out = ref.to(dtype).clone()
+    nan_out[2, 5] = NAN
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_fwd(nan_out, ref, dtype, log)
+    # Gradients: the exact one passes, one without the scale or along the wrong dim fails.
+    x64 = x.double().requires_grad_(True)
+    y64 = oracle(x64, -1, 3.0, None, log)
+    g = randn(6, 40, dtype=dtype, device="cpu", seed=4).double()
+    (dx,) = torch.autograd.grad(y64, x64, g)
+    assert_grad(dx.to(dtype), dx, y64.detach(), g, -1, 3.0, log, dtype)
+    for bad in (dx / 3.0, _wrong_dim_grad(x, g, log)):
+        with pytest.raises(AssertionError):
+            assert_grad(bad.to(dtype), dx, y64.detach(), g, -1, 3.0, log, dtype)
+
+
+def _wrong_dim_grad(x, g, log):
+    x64 = x.double().requires_grad_(True)
+    y = oracle(x64, 0, 3.0, None, log)
+    return torch.autograd.grad(y, x64, g)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Default plan: in-register rows of every awkward length
+# ---------------------------------------------------------------------------------------
+
+ROW_LENGTHS = [1, 31, 32, 33, 100, 1023, 1025]
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
+@pytest.mark.parametrize("n", ROW_LENGTHS)
+def test_default_plan_row_lengths(n, dtype, log):
+    # 5 rows: not a multiple of the rows packed per program (a partial last program).
+    run_case(randn(5, n, dtype=dtype, seed=n), log=log)
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("n", [33, 1025])
+def test_default_plan_bf16(n, log):
+    run_case(randn(3, n, dtype=BF16, seed=n), scale=0.5, log=log)
+
+
+def test_plan_choices():
+    assert ks.plan(4, ks.IN_REGISTER_MAX)["strategy"] == "registers"
+    p = ks.plan(4, 1000, strategy="registers")
+    assert p["BLOCK_N"] == 1024 and p["BLOCK_N"] >= 1000
+    assert ks.plan(1, 1)["BLOCK_N"] >= 1
+    with pytest.raises(ValueError, match="strategy"):
+        ks.plan(4, 100, strategy="bogus")
+    for n in (1, 17, 200, 1000, 4097):
+        for block in (16, 64):
+            for splits in (1, 2, 3, 7, 64):
+                p = ks.plan(3, n, strategy="online", block=block, splits=splits)
+                assert p["strategy"] == "online" and p["BLOCK_N"] == block
+                assert p["chunk"] % block == 0, p
+                # every column is covered, no program gets an empty chunk, SPLITS holds them all
+                assert p["chunk"] * p["splits"] >= n and (p["splits"] - 1) * p["chunk"] < n, p
+                assert 1 <= p["splits"] <= splits and p["SPLITS"] >= p["splits"], p
+
+
+def test_collapse_rows():
+    # contiguous 4-D with the softmax dim last: all leading dims merge into one
+    x = torch.empty(2, 3, 4, 5)
+    assert ks.collapse_rows(tuple(x.shape), tuple(x.stride())) == ((1, 1, 24), [(0, 0, 5)])
+    # a broadcast mask stops the merge where its stride pattern breaks
+    m = torch.empty(2, 1, 4, 5).expand(2, 3, 4, 5)
+    lead, (sx, sm) = ks.collapse_rows(tuple(x.shape), tuple(x.stride()), tuple(m.stride()))
+    assert lead == (2, 3, 4) and sm == (20, 0, 5) and sx == (60, 20, 5)
+    # four unmergeable leading dims: None (the caller copies)
+    y = torch.empty(3, 2, 3, 2, 5).permute(3, 2, 1, 0, 4)
+    assert ks.collapse_rows(tuple(y.shape), tuple(y.stride())) is None
+
+
+# ---------------------------------------------------------------------------------------
+# Online (two-pass) strategy and its split-row variant, forced on small rows
+# ---------------------------------------------------------------------------------------
+
+
+def _online_input(n, mode, seed):
+    """4 rows that stress the chunk merge: random; a ramp whose max grows in every chunk;
+    leading chunks all -inf; and a fourth row that is fully masked (bool), partially masked
+    (additive) or very large (no mask)."""
+    x = randn(4, n, seed=seed)
+    x[1] = torch.linspace(-20.0, 20.0, n) + 0.1 * x[1]
+    x[2, : (3 * n) // 5] = NEG_INF
+    if n == 1:
+        x[2, 0] = 0.5  # a 1-column row cannot be both -inf and non-empty
+    mask = None
+    if mode == "bool":
+        mask = torch.rand(4, n, generator=torch.Generator().manual_seed(seed + 1)) > 0.3
+        mask[:, -1] = True  # rows 0-2 keep at least one entry
+        mask[3] = False  # row 3: nothing kept
+    elif mode == "add":
+        mask = randn(4, n, seed=seed + 2)
+        mask[3, ::2] = NEG_INF
+        if n == 1:
+            mask[3, 0] = 1.0
+    else:
+        x[3] = randn(n, seed=seed + 3, std=1000.0)
+    return x.to(DEVICE), None if mask is None else mask.to(DEVICE)
+
+
+def _launch(x, mask, scale, log, dtype, g, **override):
+    """The launchers as the op calls them; returns (y, dx) as (rows, n) tensors."""
+    xm, mm, lead, sx, sm = _rows(x, x.dim() - 1, mask)
+    y = ks.softmax_forward(xm, mm, lead, sx, sm, xm.shape[-1], scale, log, dtype, **override)
+    bmask = mm if (mm is not None and mm.dtype == torch.bool) else None
+    dx = ks.softmax_backward(y, g, bmask, lead, sm, scale, log, dtype, **override)
+    return y, dx
+
+
+ONLINE_CASES = [
+    # n, block, splits, mask mode, log
+    (1, 16, 1, "none", False),
+    (1, 16, 7, "bool", True),
+    (17, 16, 1, "bool", False),
+    (17, 16, 2, "add", True),
+    (17, 16, 3, "none", False),
+    (17, 16, 7, "bool", True),
+    (200, 16, 1, "none", True),
+    (200, 16, 7, "bool", True),
+    (200, 64, 2, "bool", False),
+    (200, 64, 3, "add", False),
+    (200, 64, 7, "none", False),
+    (200, 64, 3, "add", True),
+    (1000, 64, 1, "bool", False),
+    (1000, 64, 2, "add", False),
+    (1000, 64, 3, "none", True),
+    (1000, 64, 7, "bool", True),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ONLINE_CASES, ids=lambda c: "n{}-b{}-s{}-{}-{}".format(*c[:4], "log" if c[4] else "sm"))
+def test_online_split_matches_registers_and_oracle(case):
+    n, block, splits, mode, log = case
+    x, mask = _online_input(n, mode, seed=n + splits)
+    scale = 0.7
+    g = randn(4, n, seed=99)
+    y_reg, dx_reg = _launch(x, mask, scale, log, F32, g, strategy="registers")
+    y_onl, dx_onl = _launch(x, mask, scale, log, F32, g, strategy="online", block=block, splits=splits)
+    # Against the oracle, forward and backward.
+    x64 = x.double().requires_grad_(True)
+    y64 = oracle(x64, -1, scale, mask, log)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    eexp = exponent_error(x, -1, scale, mask)
+    for name, y, dx in (("registers", y_reg, dx_reg), ("online", y_onl, dx_onl)):
+        assert_fwd(y, y64, F32, log, name=f"y[{name}]", eexp=eexp)
+        assert_grad(dx, dx64, y64.detach(), g.double(), -1, scale, log, F32, name=f"dx[{name}]", eexp=eexp)
+    # The split-row merge gives the same numbers as one pass over the whole row in registers
+    # (float32, different summation order only).
+    _, _, finite = _same_nonfinite(y_onl, y_reg, "online vs registers")
+    assert torch.allclose(y_onl[finite], y_reg[finite], rtol=4e-6, atol=1e-7)
+    assert torch.allclose(dx_onl, dx_reg, rtol=1e-5, atol=1e-7)
+    if mode == "bool":
+        assert torch.equal(y_onl[3], torch.full_like(y_onl[3], NEG_INF if log else 0.0))
+        assert torch.equal(dx_onl[3], torch.zeros_like(dx_onl[3]))  # nothing kept: gradient exactly 0
+        assert torch.equal(dx_onl[~mask], torch.zeros_like(dx_onl[~mask]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_online_low_precision(dtype):
+    x = randn(3, 200, dtype=dtype, seed=8)
+    g = randn(3, 200, dtype=dtype, seed=9)
+    y, dx = _launch(x, None, 1.0, False, dtype, g, strategy="online", block=64, splits=3)
+    x64 = x.double().requires_grad_(True)
+    y64 = oracle(x64)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    assert_fwd(y, y64, dtype)
+    assert_grad(dx, dx64, y64.detach(), g.double(), -1, None, False, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_public_api_through_online_path(monkeypatch, log):
+    """With IN_REGISTER_MAX lowered the op's default plan takes the online (split) path: the
+    autograd wiring, dims, strides and masks go through it too."""
+    monkeypatch.setattr(ks, "IN_REGISTER_MAX", 64)
+    p = ks.plan(2, 130)
+    assert p["strategy"] == "online" and (p["splits"] > 1 or not INTERPRET)
+    base = randn(130, 2, seed=11)
+    mask = torch.rand(130, 1, generator=torch.Generator().manual_seed(1)) > 0.2
+    mask[-1] = True
+    run_case(base, dim=0, scale=0.5, mask=mask.to(DEVICE), log=log)
+    run_case(randn(2, 130, seed=12), view=lambda t: t.t(), dim=0, log=log)
+
+
+# ---------------------------------------------------------------------------------------
+# dim != -1, strided views, the copy path
+# ---------------------------------------------------------------------------------------
+
+DIM_CASES = [
+    # shape, dim
+    ((7,), 0),
+    ((9, 5), 0),
+    ((4, 33), 1),
+    ((3, 17, 5), 1),
+    ((3, 17, 5), -2),
+    ((2, 3, 9, 4), 1),
+    ((2, 3, 9, 4), 2),
+    ((2, 3, 9, 4), 0),
+    # size-1 dims among the leading ones (merged by collapse_rows whatever their stride)
+    ((1, 5, 7), -1),
+    ((2, 1, 3, 8), -1),
+    ((3, 1, 6, 1), 2),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("case", DIM_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-dim{c[1]}")
+def test_dims(case, log):
+    shape, dim = case
+    run_case(randn(*shape, seed=len(shape) + dim), dim=dim, scale=1.5, log=log)
+
+
+VIEW_CASES = {
+    "transposed": ((40, 6), lambda t: t.t(), -1),
+    "transposed_dim0": ((40, 6), lambda t: t.t(), 0),
+    "sliced_step": ((8, 99), lambda t: t[::2, 1::3], -1),
+    "sliced_step_dim0": ((8, 99), lambda t: t[1::2, ::3], 0),
+    "expand_rows": ((1, 37), lambda t: t.expand(5, 37), -1),  # stride 0 across rows
+    "expand_cols": ((6, 1), lambda t: t.expand(6, 20), -1),  # stride 0 along the row
+    "broadcast_3d": ((3, 1, 19), lambda t: t.expand(3, 4, 19), 1),
+    "permuted_4d": ((2, 5, 3, 4), lambda t: t.permute(0, 2, 3, 1), -1),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("name", list(VIEW_CASES))
+def test_non_contiguous_views(name, log):
+    shape, view, dim = VIEW_CASES[name]
+    run_case(randn(*shape, seed=3), dim=dim, view=view, log=log)
+
+
+def _five_d(t):
+    return t.permute(3, 2, 1, 0, 4)  # four leading dims, none mergeable with a neighbour
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_mask", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_five_d_copy_path(log, with_mask):
+    base = randn(3, 2, 3, 2, 5, seed=21)
+    x = _five_d(base)
+    assert ks.collapse_rows(tuple(x.shape), tuple(x.stride())) is None  # really the copy path
+    mask = None
+    if with_mask:
+        mask = (torch.rand(2, 3, 1, 3, 5, generator=torch.Generator().manual_seed(2)) > 0.3).to(DEVICE)
+        mask[0, 0, 0, 0] = False  # a fully masked row
+    run_case(base, dim=-1, view=_five_d, mask=mask, log=log)
+    # and along a leading dim of the same 5-D view
+    run_case(base, dim=1, view=_five_d, log=log, grad=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------
+
+
+def _bool_mask(*shape, seed=0, p=0.3):
+    return (torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) > p).to(DEVICE)
+
+
+MASK_CASES = {
+    "bool_full": ((3, 20), lambda: _bool_mask(3, 20), F32, -1),
+    "bool_heads_broadcast": ((2, 3, 9, 9), lambda: _bool_mask(2, 1, 9, 9, seed=1), F32, -1),
+    "bool_cols_broadcast": ((6, 33), lambda: _bool_mask(33, seed=2), F32, -1),
+    "bool_cols_broadcast_dim0": ((6, 33), lambda: _bool_mask(33, seed=2, p=0.1), F32, 0),
+    "bool_dim1_4d": ((2, 7, 3, 4), lambda: _bool_mask(1, 7, 3, 1, seed=3), F32, 1),
+    "add_fp32": ((4, 31), lambda: randn(4, 31, seed=4), F32, -1),
+    "add_fp32_neg_inf": ((4, 31), lambda: randn(4, 31, seed=5).masked_fill(~_bool_mask(4, 31, seed=5), NEG_INF), F32, -1),
+    "add_fp16_on_fp32": ((4, 31), lambda: randn(4, 31, dtype=F16, seed=6), F32, -1),
+    "add_fp32_on_fp16": ((4, 31), lambda: randn(4, 31, seed=9, std=2.0), F16, -1),
+    "add_fp16_on_fp16": (
+        (2, 3, 9, 9),
+        lambda: randn(2, 1, 9, 9, dtype=F16, seed=7).masked_fill(~_bool_mask(2, 1, 9, 9, seed=7), NEG_INF),
+        F16,
+        -1,
+    ),
+    "add_fp64_broadcast": ((6, 33), lambda: randn(33, dtype=torch.float64, seed=8), F32, -1),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_masks(name, log):
+    shape, make_mask, dtype, dim = MASK_CASES[name]
+    mask = make_mask()
+    _, dx = run_case(randn(*shape, dtype=dtype, seed=10), dim=dim, scale=0.8, mask=mask, log=log)
+    if mask.dtype == torch.bool:
+        # masked entries had no influence on y: their gradient is exactly 0
+        dropped = ~mask.expand(shape)
+        assert torch.equal(dx[dropped], torch.zeros_like(dx[dropped]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("n", [5, 33])
+def test_fully_masked_row_softmax(kind, n):
+    x = randn(3, n, seed=12)
+    keep = _bool_mask(3, n, seed=12, p=0.2)
+    keep[:, 0] = True
+    keep[1] = False
+    mask = keep if kind == "bool" else torch.zeros(3, n, device=DEVICE).masked_fill(~keep, NEG_INF)
+    y, dx = run_case(x, mask=mask)
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    assert torch.equal(dx[1], torch.zeros_like(dx[1]))
+    assert torch.isfinite(dx).all()
+
+
+@needs_kernels
+def test_fully_masked_row_log_softmax():
+    x = randn(3, 33, seed=13)
+    keep = _bool_mask(3, 33, seed=13)
+    keep[:, 0] = True
+    keep[2] = False
+    y, dx = run_case(x, mask=keep, log=True)
+    assert torch.equal(y[2], torch.full_like(y[2], NEG_INF))
+    assert torch.equal(dx[2], torch.zeros_like(dx[2]))
+    assert not torch.isnan(y).any()
+
+
+# ---------------------------------------------------------------------------------------
+# Scale
+# ---------------------------------------------------------------------------------------
+
+def _scale_param(scale, n, strategy, masked=False):
+    # Zero and negative scales on padded rows (length not a power of two, or the online
+    # path) once turned the padding lanes into +inf / NaN: keep them covered.
+    name = f"scale{scale}-n{n}-{strategy}" + ("-boolmask" if masked else "")
+    return pytest.param(scale, n, strategy, masked, id=name)
+
+
+SCALE_CASES = [
+    _scale_param(s, n, strat)
+    for s in (0.125, 3.0, -1.0)
+    for n, strat in ((31, "registers"), (32, "registers"), (200, "online"))
+] + [
+    _scale_param(0.0, 31, "registers"),
+    _scale_param(0.0, 32, "registers"),
+    _scale_param(-1.0, 31, "registers", masked=True),
+    _scale_param(-1.0, 200, "online", masked=True),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("scale,n,strategy,masked", SCALE_CASES)
+def test_scale(scale, n, strategy, masked):
+    x = randn(3, n, seed=14)
+    mask = _bool_mask(3, n, seed=14, p=0.1) if masked else None
+    if mask is not None:
+        mask[:, 0] = True
+    g = randn(3, n, seed=15)
+    kw = dict(strategy="online", block=64, splits=2) if strategy == "online" else dict(strategy="registers")
+    for log in (False, True):
+        y, dx = _launch(x, mask, scale, log, F32, g, **kw)
+        x64 = x.double().requires_grad_(True)
+        y64 = oracle(x64, -1, scale, mask, log)
+        (dx64,) = torch.autograd.grad(y64, x64, g.double())
+        assert_fwd(y, y64, F32, log)
+        assert_grad(dx, dx64, y64.detach(), g.double(), -1, scale, log, F32)
+
+
+@needs_kernels
+def test_negative_scale_public_api():
+    """``flashtile.softmax(x, scale=-1.0)`` equals ``torch.softmax(-x)``."""
+    x = randn(4, 10, seed=16)
+    y = flashtile.softmax(x, scale=-1.0)
+    assert_fwd(y, oracle(x, -1, -1.0), F32)
+
+
+@needs_kernels
+def test_int_scale_and_default_scale():
+    x = randn(3, 12, seed=17)
+    assert_fwd(flashtile.softmax(x, scale=2), oracle(x, -1, 2.0), F32)
+    assert torch.equal(flashtile.softmax(x), flashtile.softmax(x, scale=None))
+    assert torch.equal(flashtile.softmax(x), flashtile.softmax(x, scale=1.0))
+
+
+# ---------------------------------------------------------------------------------------
+# Extreme values
+# ---------------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_large_magnitudes_fp32(log):
+    x = randn(4, 50, seed=18, std=1000.0)
+    x[1] = torch.tensor([1000.0, -1000.0] * 25, device=DEVICE)
+    x[2] = 1000.0  # a constant row: uniform, no overflow
+    x[3, :] = -1000.0
+    x[3, 7] = -999.0
+    y, _ = run_case(x, log=log)
+    assert torch.isfinite(y).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_large_magnitudes_fp16(log):
+    x = randn(3, 40, seed=19, std=3e4).clamp(-3e4, 3e4).to(F16)  # x - max >= -6e4: representable
+    x[1] = torch.tensor([3e4, -3e4] * 20, dtype=F16, device=DEVICE)
+    x[2] = 6.0e4
+    y, dx = run_case(x, log=log)
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_large_common_offset_fp32(log):
+    """Rows of 1000 + N(0, 1): finite, and within the bound whose ``exponent_error`` term
+    (~|x| 2**-24, here ~2e-4 relative) covers the kernels' scale-before-subtract rounding."""
+    x = 1000.0 + randn(3, 100, seed=20)
+    assert float(exponent_error(x).max()) < 2e-4
+    run_case(x, log=log)
+
+
+@needs_kernels
+@pytest.mark.parametrize("strategy", ["registers", "online"])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_non_finite_inputs(log, strategy):
+    n = 40
+    x = randn(6, n, seed=21)
+    x[1] = NEG_INF  # all -inf: zeros / -inf, not NaN
+    x[2, 13] = NAN  # NaN: that row all NaN, the others untouched
+    x[3, 30] = POS_INF  # +inf: NaN row, as torch
+    x[4, ::3] = NEG_INF  # some -inf entries: ordinary
+    x[5, 39] = POS_INF
+    x[5, 0] = NAN
+    kw = dict(strategy="online", block=16, splits=3) if strategy == "online" else dict(strategy="registers")
+    g = randn(6, n, seed=22)
+    y, dx = _launch(x, None, 1.0, log, F32, g, **kw)
+    ref = oracle(x, log=log)
+    assert torch.isnan(y[2]).all() and torch.isnan(y[3]).all() and torch.isnan(y[5]).all()
+    assert torch.equal(y[1], torch.full_like(y[1], NEG_INF if log else 0.0))
+    assert_fwd(y, ref, F32, log)  # includes: NaN exactly where torch's float64 softmax has NaN
+    torch_ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+    assert torch.equal(torch.isnan(y[2:]), torch.isnan(torch_ref[2:]))
+    # gradients of the finite rows (0 and 4) match the oracle; softmax of the all -inf row: 0
+    x64 = x.double().requires_grad_(True)
+    y64 = oracle(x64, log=log)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    rows = [0, 4] if log else [0, 1, 4]
+    assert_grad(dx[rows], dx64[rows], y64.detach()[rows], g.double()[rows], -1, None, log, F32)
+    if not log:
+        assert torch.equal(dx[1], torch.zeros_like(dx[1]))
+
+
+@needs_kernels
+def test_all_neg_inf_public_api():
+    x = torch.full((2, 3, 17), NEG_INF, device=DEVICE)
+    x[0, 1, 4] = 0.0
+    y = flashtile.softmax(x, dim=-1)
+    ly = flashtile.log_softmax(x, dim=-1)
+    assert not torch.isnan(y).any() and not torch.isnan(ly).any()
+    assert_fwd(y, oracle(x), F32)
+    assert_fwd(ly, oracle(x, log=True), F32, log=True)
+    assert y[0, 1, 4] == 1.0 and ly[0, 1, 4] == 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# dtypes, empty tensors
+# ---------------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+def test_output_and_grad_dtype(dtype):
+    x = randn(2, 9, dtype=dtype, seed=23).requires_grad_(True)
+    for fn in (flashtile.softmax, flashtile.log_softmax):
+        y = fn(x, 0)
+        assert y.dtype == dtype and y.shape == x.shape
+        (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        assert dx.dtype == dtype
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape,dim", [((3, 0), -1), ((0, 5), -1), ((0, 5), 0), ((2, 0, 4), 1)])
+def test_empty_tensors(shape, dim):
+    x = torch.zeros(shape, device=DEVICE, requires_grad=True)
+    for fn in (flashtile.softmax, flashtile.log_softmax):
+        y = fn(x, dim)
+        assert y.shape == x.shape
+        (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        assert dx.shape == x.shape
+
+
+# ---------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------
+
+
+def _x():
+    return torch.randn(3, 4, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda f: f([[1.0, 2.0]]), TypeError, "x must be a torch.Tensor"),
+        (lambda f: f(torch.ones(3, 4, dtype=torch.int32)), ValueError, "dtype"),
+        (lambda f: f(torch.ones(3, 4, dtype=torch.float64)), ValueError, "dtype"),
+        (lambda f: f(torch.tensor(1.0)), ValueError, "0-d"),
+        (lambda f: f(_x(), 2), ValueError, "dim"),
+        (lambda f: f(_x(), -3), ValueError, "dim"),
+        (lambda f: f(_x(), True), TypeError, "dim"),
+        (lambda f: f(_x(), 1.0), TypeError, "dim"),
+        (lambda f: f(_x(), mask=torch.ones(5, dtype=torch.bool, device=DEVICE)), ValueError, "broadcast"),
+        (lambda f: f(_x(), mask=torch.ones(2, 3, 4, dtype=torch.bool, device=DEVICE)), ValueError, "enlarge"),
+        (lambda f: f(_x(), mask=torch.ones(3, 4, dtype=torch.int64, device=DEVICE)), ValueError, "mask"),
+        (lambda f: f(_x(), mask=[[True] * 4] * 3), TypeError, "mask"),
+        (lambda f: f(_x(), scale="0.5"), TypeError, "scale"),
+        (lambda f: f(_x(), scale=True), TypeError, "scale"),
+        (lambda f: f(_x(), scale=float("nan")), ValueError, "scale"),
+        (lambda f: f(_x(), scale=float("inf")), ValueError, "scale"),
+    ],
+    ids=[
+        "non_tensor", "int_dtype", "float64", "zero_dim", "dim_too_big", "dim_too_small", "dim_bool",
+        "dim_float", "mask_not_broadcastable", "mask_enlarges", "mask_int", "mask_list", "scale_str",
+        "scale_bool", "scale_nan", "scale_inf",
+    ],
+)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_validation(call, exc, match, log):
+    with pytest.raises(exc, match=match):
+        call(fn_of(log))
+
+
+# ---------------------------------------------------------------------------------------
+# The CPU (non-Triton) path
+# ---------------------------------------------------------------------------------------
+
+CPU_CASES = {
+    "plain": ((5, 33), -1, None, None, F32),
+    "dim0": ((9, 5), 0, 2.0, None, F32),
+    "dim_middle": ((2, 7, 3), 1, 0.5, None, F32),
+    "neg_scale": ((4, 31), -1, -1.0, None, F32),
+    "zero_scale": ((4, 31), -1, 0.0, None, F32),
+    "bool_mask_bcast": ((2, 3, 6, 6), -1, 0.8, lambda: _bool_mask(2, 1, 6, 6, seed=3), F32),
+    "bool_mask_cols": ((6, 10), -1, None, lambda: _bool_mask(10, seed=4), F32),
+    "add_mask_fp16": ((4, 20), -1, None, lambda: randn(4, 20, dtype=F16, seed=5, device="cpu"), F16),
+    "add_mask_neg_inf": ((4, 20), -1, None, lambda: torch.zeros(4, 20).masked_fill(~_bool_mask(4, 20, seed=6).cpu(), NEG_INF), F32),
+    "bf16": ((3, 50), -1, 0.125, None, BF16),
+    "fp16": ((3, 50), 0, 3.0, None, F16),
+}
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("name", list(CPU_CASES))
+def test_cpu_path(name, log):
+    shape, dim, scale, make_mask, dtype = CPU_CASES[name]
+    x = randn(*shape, dtype=dtype, device="cpu", seed=30)
+    mask = make_mask().cpu() if make_mask else None
+    y = _torch_softmax(x, dim, 1.0 if scale is None else scale, mask, log)
+    assert_fwd(y, oracle(x, dim, scale, mask, log), dtype, log)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_cpu_path_empty_and_non_finite_rows(log):
+    x = randn(6, 12, device="cpu", seed=31)
+    x[0] = NEG_INF
+    x[1, 3] = NAN
+    x[2, 4] = POS_INF
+    keep = torch.ones(6, 12, dtype=torch.bool)
+    keep[3] = False  # fully masked
+    keep[4, ::2] = False
+    y = _torch_softmax(x, 1, 1.0, keep, log)
+    ref = oracle(x, 1, None, keep, log)
+    assert_fwd(y, ref, F32, log)
+    empty = torch.full((12,), NEG_INF if log else 0.0)
+    assert torch.equal(y[0], empty) and torch.equal(y[3], empty)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    # The same through the additive form of the mask.
+    add = torch.zeros(6, 12).masked_fill(~keep, NEG_INF)
+    assert_fwd(_torch_softmax(x, 1, 1.0, add, log), ref, F32, log)
+
+
+def test_cpu_path_no_rows():
+    x = torch.zeros(0, 5)
+    for log in (False, True):
+        y = _torch_softmax(x, 1, 1.0, None, log)
+        assert y.shape == x.shape
+
+
+@pytest.mark.parametrize("shape,dim", [((3, 0), 1), ((0, 5), 0)])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_cpu_path_zero_length_rows(log, shape, dim):
+    x = torch.zeros(shape)
+    y = _torch_softmax(x, dim, 1.0, None, log)
+    assert y.shape == shape
+    assert torch.equal(y, (torch.log_softmax if log else torch.softmax)(x, dim))
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_public_api_takes_cpu_path_without_interpreter(monkeypatch, log):
+    """With TRITON_INTERPRET unset a CPU tensor runs plain PyTorch; autograd goes through torch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not ops_softmax._use_triton(torch.zeros(1))
+    keep = _bool_mask(2, 1, 7, seed=8).cpu()  # broadcast over dim 1
+    keep[0, 0, 0] = True
+    keep[1, 0, :] = False  # the rows x[1, :, :] are fully masked
+    base = randn(2, 4, 7, device="cpu", seed=32)
+    run_case(base, dim=2, scale=0.5, mask=keep, log=log)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU (skipped without CUDA): large rows, bf16, attention-score-shaped masks
+# ---------------------------------------------------------------------------------------
+
+GPU_ROW_LENGTHS = [1, 31, 32, 33, 1023, 1024, 1025, 32768, 32769, 65537, 262144]
+
+
+def _gpu_fwd_bwd(x, dim=-1, scale=None, mask=None, log=False, seed=1):
+    xl = x.detach().clone().requires_grad_(True)
+    y = fn_of(log)(xl, dim, scale=scale, mask=mask)
+    g = randn(*x.shape, dtype=x.dtype, device=x.device, seed=seed)
+    (dx,) = torch.autograd.grad(y, xl, g)
+    x64 = x.detach().double().requires_grad_(True)
+    y64 = oracle(x64, dim, scale, mask, log)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    eexp = exponent_error(x, dim, scale, mask)
+    assert_fwd(y, y64, x.dtype, log, eexp=eexp)
+    assert_grad(dx, dx64, y64.detach(), g.double(), dim, scale, log, x.dtype, eexp=eexp)
+    return y, dx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
+@pytest.mark.parametrize("n", GPU_ROW_LENGTHS)
+def test_gpu_row_lengths(n, dtype, log):
+    rows = max(3, min(777, 2**22 // n))  # 777 short rows: a partial last multi-row program
+    x = randn(rows, n, dtype=dtype, device="cuda", seed=n, std=2.0)
+    _gpu_fwd_bwd(x, scale=0.9, log=log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_gpu_huge_rows_bf16_split(log):
+    x = randn(2, 4_194_304, dtype=BF16, device="cuda", seed=40)
+    p = ks.plan(2, x.shape[1])
+    assert p["strategy"] == "online" and p["splits"] > 1
+    _gpu_fwd_bwd(x, log=log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_gpu_attention_scores_bool_mask(dtype):
+    b, h, n = 4, 16, 1024
+    x = randn(b, h, n, n, dtype=dtype, device="cuda", seed=41, std=4.0)
+    keep = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()  # causal
+    keep = keep[None, None].repeat(b, 1, 1, 1)
+    keep[1] &= _bool_mask(1, n, n, seed=42, p=0.5).cuda()  # random padding-like holes
+    keep[2, 0, 5] = False  # a fully masked query row
+    for log in (False, True):
+        _, dx = _gpu_fwd_bwd(x, scale=0.125, mask=keep, log=log)
+        assert torch.equal(dx[2, :, 5], torch.zeros_like(dx[2, :, 5]))
+
+
+@pytest.mark.gpu
+def test_gpu_attention_scores_additive_mask():
+    b, h, n = 2, 8, 1024
+    x = randn(b, h, n, n, dtype=F16, device="cuda", seed=43, std=4.0)
+    add = torch.zeros(b, 1, n, n, dtype=F16, device="cuda").masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool, device="cuda").tril(), NEG_INF
+    ) + randn(b, 1, n, n, dtype=F16, device="cuda", seed=44, std=0.5)
+    _gpu_fwd_bwd(x, scale=0.125, mask=add, log=False)
+
+
+@pytest.mark.gpu
+def test_gpu_layouts_and_negative_scale():
+    """A sample of the interpreter cases on real hardware (strides, dims, copy path, masks)."""
+    run_case(randn(40, 6, device="cuda"), view=lambda t: t.t())
+    run_case(randn(8, 99, device="cuda"), view=lambda t: t[::2, 1::3], log=True)
+    run_case(randn(1, 37, device="cuda"), view=lambda t: t.expand(5, 37))
+    run_case(randn(3, 17, 5, device="cuda"), dim=1)
+    run_case(randn(3, 2, 3, 2, 5, device="cuda"), view=_five_d)
+    run_case(randn(2, 3, 9, 9, device="cuda", dtype=F16), mask=_bool_mask(2, 1, 9, 9).cuda(), log=True)
+    run_case(randn(4, 32, device="cuda"), scale=-1.0)  # power-of-two rows: no padding lanes
