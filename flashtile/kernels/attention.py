@@ -411,7 +411,10 @@ def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_C
     if head_dim_pad <= 64:
         return _Config(32, 128, 4, 3), _Config(64, 64, 4, 3)
     if head_dim_pad <= 128:
-        return _Config(64, 128, 8, 2), _Config(64, 64, 4, 3)
+        # 32 queries per step keeps the dK/dV kernel's spills at tens of bytes instead of
+        # hundreds (benchmarks/kernel_report.py): 393 / 401 TFLOP/s of backward at d = 128,
+        # N = 16k (non-causal / causal) against 325 / 343 with 64 queries.
+        return _Config(32, 128, 8, 3), _Config(64, 64, 4, 3)
     return _Config(64, 64, 8, 2), _Config(128, 64, 8, 2)
 
 
