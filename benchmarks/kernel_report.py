@@ -25,7 +25,8 @@ from flashtile.kernels import attention as ka
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32"}
+COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32",
+          "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32"}
 
 
 def _desc(rows: int, hd: int, dtype: str) -> str:
@@ -33,9 +34,9 @@ def _desc(rows: int, hd: int, dtype: str) -> str:
 
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
-                   kv_as_b: bool = False, dtype: str = "bf16"):
+                   kv_as_b: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False):
     masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
-             "DOT_PRECISION": "tf32"}
+             "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi}
     if kind == "fwd":
         fn = ka._attn_fwd
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
@@ -83,12 +84,15 @@ def main():
     ap.add_argument("--headdim", type=int, nargs="+", default=[128])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--kv-as-b", type=int, nargs="+", default=[0])
+    ap.add_argument("--softcap", type=int, nargs="+", default=[0])
+    ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     args = ap.parse_args()
-    for tiles, hd, causal, kvb in itertools.product(args.tiles, args.headdim, args.causal, args.kv_as_b):
+    for tiles, hd, causal, kvb, sc, al in itertools.product(args.tiles, args.headdim, args.causal, args.kv_as_b,
+                                                           args.softcap, args.alibi):
         bm, bn, w, s = map(int, tiles.split(","))
-        k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb))
-        print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb}: "
-              f"{report(k)}", flush=True)
+        k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al))
+        print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb} "
+              f"softcap={sc} alibi={al}: {report(k)}", flush=True)
 
 
 if __name__ == "__main__":

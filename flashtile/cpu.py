@@ -40,6 +40,29 @@ def _chunk_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, left, right, device):
     return visible(i, j, seqlen_q, seqlen_k, left, right)
 
 
+def _slopes(alibi_slopes, batch, nheads_k, group, dtype):
+    """ALiBi slopes (nheads,) or (batch, nheads) -> broadcastable (b|1, hk, g, 1, 1)."""
+    if alibi_slopes is None:
+        return None
+    s = alibi_slopes.to(dtype)
+    if s.dim() == 1:
+        s = s.unsqueeze(0)
+    return s.reshape(s.shape[0], nheads_k, group, 1, 1)
+
+
+def _score_mods(s, q0, q1, k0, k1, seqlen_q, seqlen_k, softcap, slopes):
+    """Softcap then ALiBi on a chunk of scaled scores (SEMANTICS order). Returns (s, tanh or None)."""
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    if slopes is not None:
+        i = torch.arange(q0, q1, device=s.device)[:, None]
+        j = torch.arange(k0, k1, device=s.device)[None, :]
+        s = s - slopes * (i + (seqlen_k - seqlen_q) - j).abs().to(s.dtype)
+    return s, t
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,6 +72,8 @@ def attention_forward(
     window_right: int = -1,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward. Returns ``out`` (like q) and ``lse`` (batch, nheads, seqlen_q), float32
     (float64 for float64 inputs)."""
@@ -58,6 +83,7 @@ def attention_forward(
     masked = is_masked(window_left, window_right)
     acc_dtype = _compute_dtype(q.dtype)
 
+    slopes = _slopes(alibi_slopes, batch, nheads_k, group, acc_dtype)
     qh = _heads_first(q, nheads_k)  # (b, hk, g, nq, d)
     kh = k.permute(0, 2, 1, 3).unsqueeze(2)  # (b, hk, 1, nk, d)
     vh = v.permute(0, 2, 1, 3).unsqueeze(2)
@@ -76,6 +102,7 @@ def attention_forward(
             k1 = min(k0 + block_n, hi)
             k0 = max(k0, lo)
             s = qc @ kh[..., k0:k1, :].to(acc_dtype).transpose(-1, -2)
+            s, _ = _score_mods(s, q0, q1, k0, k1, seqlen_q, seqlen_k, softcap, slopes)
             if masked:
                 s = s.masked_fill(~_chunk_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, window_left, window_right, q.device), float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
@@ -110,6 +137,8 @@ def attention_backward(
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
     dlse: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled backward by recomputation: P is rebuilt chunk by chunk from Q, K and the LSE."""
     batch, seqlen_q, nheads, d = q.shape
@@ -118,6 +147,7 @@ def attention_backward(
     masked = is_masked(window_left, window_right)
     acc_dtype = _compute_dtype(q.dtype)
 
+    slopes = _slopes(alibi_slopes, batch, nheads_k, group, acc_dtype)
     qh = _heads_first(q, nheads_k)
     doh = _heads_first(dout, nheads_k)
     oh = _heads_first(out, nheads_k)
@@ -151,12 +181,15 @@ def attention_backward(
             kc = kh[..., k0:k1, :].to(acc_dtype)
             vc = vh[..., k0:k1, :].to(acc_dtype)
             s = qc @ kc.transpose(-1, -2)
+            s, tanh = _score_mods(s, q0, q1, k0, k1, seqlen_q, seqlen_k, softcap, slopes)
             if masked:
                 s = s.masked_fill(~_chunk_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, window_left, window_right, q.device), float("-inf"))
             p = torch.exp(s - lse_safe[..., None])
             dv[..., k0:k1, :] += (p.transpose(-1, -2) @ doc).sum(dim=2, keepdim=True)
             dp = doc @ vc.transpose(-1, -2)
             ds = p * (dp - delta[..., None])
+            if tanh is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+                ds = ds * (1 - tanh * tanh)
             dq[..., q0:q1, :] += (ds @ kc) * softmax_scale
             dk[..., k0:k1, :] += (ds.transpose(-1, -2) @ qc).sum(dim=2, keepdim=True)  # qc carries the scale
 

@@ -32,7 +32,9 @@ def flash_attn_func(
         causal: mask keys after the query, aligned to the bottom right when
             ``seqlen_q != seqlen_k`` (query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``).
         window_size: ``(left, right)`` sliding window, -1 = unbounded on that side.
-        softcap, alibi_slopes: not implemented yet (must be 0 / None).
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after the scale).
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; subtracts
+            ``slope * |i + seqlen_k - seqlen_q - j|`` from the scores (after the softcap).
         deterministic: make the backward bitwise reproducible run to run.
         return_lse: also return the log-sum-exp of the scaled scores, float32
             ``(batch, nheads, seqlen_q)``; a row with no visible key has LSE ``-inf``
@@ -59,6 +61,7 @@ def flash_attn_func(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     out, lse = _ops.attention_forward(
-        q, k, v, params.softmax_scale, params.window_left, params.window_right, params.deterministic
+        q, k, v, params.softmax_scale, params.window_left, params.window_right, params.softcap,
+        alibi_slopes, params.deterministic,
     )
     return (out, lse) if return_lse else out

@@ -35,8 +35,14 @@ def reference_attention(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     upcast: bool = True,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """Naive materialising attention in plain PyTorch, differentiable by torch autograd.
+
+    Scores follow SEMANTICS.md's order: scale, then ``softcap * tanh(s / softcap)`` when
+    ``softcap > 0``, then minus ``slope[b, h] * |i + seqlen_k - seqlen_q - j|`` for ALiBi
+    slopes ``(nheads,)`` or ``(batch, nheads)``, then the masks.
 
     Computes in float64 when ``upcast`` (the oracle), otherwise in the inputs' own dtype
     (like flash-attn's ``attention_ref(..., upcast=False)``: the error of that result against
@@ -70,6 +76,13 @@ def reference_attention(
         v = v.repeat_interleave(group, dim=2)
 
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=dtype).reshape(-1, nheads, 1, 1)
+        i = torch.arange(seqlen_q, device=q.device)[:, None]
+        j = torch.arange(seqlen_k, device=q.device)[None, :]
+        scores = scores - slopes * (i + (seqlen_k - seqlen_q) - j).abs().to(dtype)
     left, right = normalize_window(causal, window_size)
     # mask_array returns a (1, seqlen_k) row when the band is unbounded on both sides: expand.
     mask = mask_array(seqlen_q, seqlen_k, left, right, xp=torch, device=q.device).expand(seqlen_q, seqlen_k)

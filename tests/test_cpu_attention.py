@@ -70,11 +70,14 @@ def check_against_reference(
     softmax_scale=None,
     use_lse_grad=False,
     seed=0,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     """Run flash_attn_func fwd + bwd and compare out, lse, dq, dk, dv with the oracle."""
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, requires_grad=True, seed=seed)
     out, lse = flashtile.flash_attn_func(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window, return_lse=True
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window, return_lse=True,
+        softcap=softcap, alibi_slopes=alibi_slopes,
     )
     assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
     assert lse.shape == (batch, nheads, seqlen_q) and lse.dtype == torch.float32
@@ -91,7 +94,7 @@ def check_against_reference(
         assert g.shape == x.shape and g.dtype == x.dtype, name
         assert torch.isfinite(g).all(), f"{name} has non-finite entries"
 
-    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes)
     ref = reference_attention_grads(q, k, v, dout, dlse, upcast=True, **kw)
     torch.testing.assert_close(lse, ref[1].float(), **LSE_TOL)  # -inf rows must match exactly
     names = ("out", "dq", "dk", "dv")
@@ -468,3 +471,25 @@ def test_backward_is_deterministic():
         runs.append((out,) + torch.autograd.grad(out, (q, k, v), dout))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------
+# Softcap and ALiBi (SEMANTICS order: scale, softcap, ALiBi, masks)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "softcap,alibi_shape,causal,seqlens",
+    [(5.0, None, False, (17, 40)), (2.0, None, True, (40, 17)), (0.0, "heads", True, (33, 50)),
+     (0.0, "batch-heads", False, (50, 33)), (3.0, "heads", True, (64, 64))],
+    ids=["softcap", "softcap-causal", "alibi-causal", "alibi-per-batch", "both"],
+)
+def test_softcap_and_alibi(dtype, softcap, alibi_shape, causal, seqlens):
+    slopes = None
+    if alibi_shape == "heads":
+        slopes = torch.rand(4, generator=torch.Generator().manual_seed(7)) * 0.5
+    elif alibi_shape == "batch-heads":
+        slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(7)) * 0.5
+    check_against_reference(dtype, 2, *seqlens, 4, 2, 32, causal=causal, softcap=softcap, alibi_slopes=slopes,
+                            softmax_scale=0.5)

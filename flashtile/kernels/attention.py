@@ -62,6 +62,34 @@ def _tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
     return tile, pid // num_tiles
 
 
+@triton.jit
+def _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores in log2 units after SEMANTICS steps 1-3 (scale, softcap, ALiBi), and tanh.
+
+    ``q_idx``/``k_idx`` broadcast to ``qk``'s shape (either orientation).  The softcap's
+    ``tanh`` is returned for the backward, whose dS picks up ``1 - tanh^2``.
+    """
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1) with softcap_scale = 2 * log2(e) * scale / softcap:
+        # built on exp2 (tl.math has no tanh) and saturating cleanly to +-1 at overflow.
+        t = 1.0 - 2.0 / (tl.math.exp2(qk * softcap_scale) + 1.0)
+        s = t * softcap_log2
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s - slope_log2 * tl.abs(q_idx + (seqlen_k - seqlen_q) - k_idx).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
+    if HAS_ALIBI:
+        return tl.load(ALIBI + b * stride_ab + h) * 1.4426950408889634
+    return 0.0
+
+
 # --------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------
@@ -70,31 +98,38 @@ def _tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
 @triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, start, end,
-    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = K_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            qk, _ = _score_mod(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale,
+                               softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+            s_scale = 1.0  # qk is already in log2 units
+        else:
+            s_scale = qk_scale
         if MASKED:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
             visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                 MASK_LEFT, MASK_RIGHT)
             qk = tl.where(visible, qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
             # A row that has seen no visible key yet keeps m = -inf: subtract 0 instead so
             # exp2(-inf - -inf) = NaN never appears and its p stays exactly 0.
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
             m_sub = m_ij
         # exp(s*scale - m) == exp2(s*scale*log2e - m*log2e): with qk_scale = scale*log2e
         # and m kept in log2 units, the scale and the max subtraction are one FMA per score
         # feeding the hardware's native exp2.
-        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        p = tl.math.exp2(qk * s_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
@@ -106,10 +141,10 @@ def _fwd_tiles(
 
 @triton.jit
 def _attn_fwd(
-    Q_desc, K_desc, V_desc, O_desc, LSE,
-    seqlen_q, seqlen_k, nheads, group, qk_scale, window_left, window_right,
+    Q_desc, K_desc, V_desc, O_desc, LSE, ALIBI, stride_ab,
+    seqlen_q, seqlen_k, nheads, group, qk_scale, window_left, window_right, softcap_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, MASK_RIGHT)
@@ -117,6 +152,7 @@ def _attn_fwd(
     h = bh % nheads
     hk = h // group
     m0 = pid_m * BLOCK_M
+    slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
 
     q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -128,16 +164,19 @@ def _attn_fwd(
     if MASK_LEFT:
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, lo, full_lo,
                                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                                   softcap_scale, softcap_log2, slope_log2,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                   WARP_SPECIALIZE, DOT_PRECISION)
+                                   HAS_SOFTCAP, HAS_ALIBI, WARP_SPECIALIZE, DOT_PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                               softcap_scale, softcap_log2, slope_log2,
                                BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                               WARP_SPECIALIZE, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, WARP_SPECIALIZE, DOT_PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_hi, hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                               softcap_scale, softcap_log2, slope_log2,
                                BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                               WARP_SPECIALIZE, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, WARP_SPECIALIZE, DOT_PRECISION)
 
     # Deferred normalisation: one reciprocal per row.  A row with no visible key has
     # l = 0: its output is 0 and its LSE -inf, never NaN.
@@ -188,9 +227,10 @@ def _bwd_preprocess(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, start, end,
-    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
     """Accumulate one query run's contribution to dK, dV of the resident key tile.
@@ -212,7 +252,12 @@ def _dkdv_tiles(
         do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         if KV_AS_B:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+            if HAS_SOFTCAP or HAS_ALIBI:
+                qk, tanh = _score_mod(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale,
+                                      softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+                p = tl.math.exp2(qk - lse2[:, None])
+            else:
+                p = tl.math.exp2(qk * qk_scale - lse2[:, None])
             if MASKED:
                 visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                     MASK_LEFT, MASK_RIGHT)
@@ -220,10 +265,17 @@ def _dkdv_tiles(
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - tanh * tanh)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
         else:
             qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+            if HAS_SOFTCAP or HAS_ALIBI:
+                qkT, tanhT = _score_mod(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale,
+                                        softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+                pT = tl.math.exp2(qkT - lse2[None, :])
+            else:
+                pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
             if MASKED:
                 visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                     MASK_LEFT, MASK_RIGHT)
@@ -231,17 +283,20 @@ def _dkdv_tiles(
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             dsT = pT * (dpT - delta[None, :])
+            if HAS_SOFTCAP:
+                dsT = dsT * (1.0 - tanhT * tanhT)
             dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, LSE2, Delta,
+    Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, LSE2, Delta, ALIBI, stride_ab,
     seqlen_q, seqlen_k, nheads_k, group, qk_scale, softmax_scale, window_left, window_right,
+    softcap_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_AS_B: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
     pid_n, bhk = _tile_and_head(seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
@@ -258,17 +313,24 @@ def _attn_bwd_dkdv(
     for g in range(0, group):
         h = hk * group + g
         bh = b * (nheads_k * group) + h
+        slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
         if MASK_RIGHT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, lo, full_lo,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION, KV_AS_B)
+                                 softcap_scale, softcap_log2, slope_log2,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_lo, full_hi,
                              seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, DOT_PRECISION, KV_AS_B)
+                             softcap_scale, softcap_log2, slope_log2,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                             HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
         if MASK_LEFT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_hi, hi,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION, KV_AS_B)
+                                 softcap_scale, softcap_log2, slope_log2,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
     DV_desc.store([b, n0, hk, 0], dv.to(DV_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
     dk = dk * softmax_scale
     DK_desc.store([b, n0, hk, 0], dk.to(DK_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
@@ -277,34 +339,43 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, start, end,
-    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in range(start, end, BLOCK_N):
         k = K_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            qk, tanh = _score_mod(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale,
+                                  softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+            p = tl.math.exp2(qk - lse2[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            offs_n = start_n + tl.arange(0, BLOCK_N)
             visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                 MASK_LEFT, MASK_RIGHT)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh * tanh)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq(
-    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, LSE2, Delta,
+    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, LSE2, Delta, ALIBI, stride_ab,
     seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale, window_left, window_right,
+    softcap_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
@@ -318,18 +389,25 @@ def _attn_bwd_dq(
     lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(Delta + row, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, lo, full_lo,
                        seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                       BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+                       softcap_scale, softcap_log2, slope_log2,
+                       BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                       HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+                   softcap_scale, softcap_log2, slope_log2,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_hi, hi,
                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, DOT_PRECISION)
+                   softcap_scale, softcap_log2, slope_log2,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     dq = dq * softmax_scale
     DQ_desc.store([b, m0, h, 0], dq.to(DQ_desc.dtype).reshape([1, BLOCK_M, 1, HEAD_DIM]))
 
@@ -423,6 +501,20 @@ def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_C
 # --------------------------------------------------------------------------------------
 
 
+def _score_mod_args(softmax_scale: float, softcap: float, alibi_slopes, placeholder: torch.Tensor) -> dict:
+    """Kernel arguments for the optional softcap and ALiBi (see ``_score_mod``)."""
+    has_alibi = alibi_slopes is not None
+    return dict(
+        HAS_SOFTCAP=softcap > 0,
+        softcap_scale=2.0 * LOG2E * softmax_scale / softcap if softcap > 0 else 0.0,
+        softcap_log2=softcap * LOG2E,
+        HAS_ALIBI=has_alibi,
+        alibi=alibi_slopes if has_alibi else placeholder,
+        # (nheads,) slopes are shared by every batch entry: batch stride 0.
+        stride_ab=(alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0) if has_alibi else 0,
+    )
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -431,6 +523,8 @@ def attention_forward(
     window_left: int = -1,
     window_right: int = -1,
     config: _Config | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out, lse)."""
     batch, seqlen_q, nheads, d = q.shape
@@ -441,12 +535,15 @@ def attention_forward(
     out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
+    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     _attn_fwd[grid](
         _descriptor(q_, cfg.block_m, hd), _descriptor(k_, cfg.block_n, hd), _descriptor(v_, cfg.block_n, hd),
-        _descriptor(out_, cfg.block_m, hd), lse,
+        _descriptor(out_, cfg.block_m, hd), lse, mods["alibi"], mods["stride_ab"],
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, window_left, window_right,
+        mods["softcap_scale"], mods["softcap_log2"],
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -468,6 +565,8 @@ def attention_backward(
     deterministic: bool = False,
     dlse: torch.Tensor | None = None,
     configs: tuple[_Config, _Config] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch preprocess, dK/dV and dQ kernels. Deterministic whatever ``deterministic`` says."""
     batch, seqlen_q, nheads, d = q.shape
@@ -490,22 +589,27 @@ def attention_backward(
     dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
     dv_ = torch.empty(v_.shape, dtype=v.dtype, device=v.device)
+    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-                  DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd)
+                  DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd,
+                  HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"])
     group = nheads // nheads_k
     _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
         _descriptor(q_, cfg_kv.block_m, hd), _descriptor(k_, cfg_kv.block_n, hd),
         _descriptor(v_, cfg_kv.block_n, hd), _descriptor(do_, cfg_kv.block_m, hd),
         _descriptor(dk_, cfg_kv.block_n, hd), _descriptor(dv_, cfg_kv.block_n, hd), lse2, delta,
+        mods["alibi"], mods["stride_ab"],
         seqlen_q, seqlen_k, nheads_k, group, softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+        mods["softcap_scale"], mods["softcap_log2"],
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
     _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg_q.block_m) * batch * nheads,)](
         _descriptor(q_, cfg_q.block_m, hd), _descriptor(k_, cfg_q.block_n, hd),
         _descriptor(v_, cfg_q.block_n, hd), _descriptor(do_, cfg_q.block_m, hd),
-        _descriptor(dq_, cfg_q.block_m, hd), lse2, delta,
+        _descriptor(dq_, cfg_q.block_m, hd), lse2, delta, mods["alibi"], mods["stride_ab"],
         seqlen_q, seqlen_k, nheads, group, softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+        mods["softcap_scale"], mods["softcap_log2"],
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
         num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )

@@ -30,15 +30,19 @@ def attention_forward(
     softmax_scale: float,
     window_left: int,
     window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` only matters to the backward; the forward takes it so that autograd
     # can save it with the inputs.
-    return _backend(q).attention_forward(q, k, v, softmax_scale, window_left, window_right)
+    return _backend(q).attention_forward(
+        q, k, v, softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes
+    )
 
 
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, deterministic):
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     # float32 LSE, except for float64 inputs, which the CPU path keeps in float64 (oracle use).
@@ -59,18 +63,19 @@ def attention_backward(
     softmax_scale: float,
     window_left: int,
     window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    backend = _backend(q)
-    if backend is cpu:  # the CPU path is deterministic by construction
-        return cpu.attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse=dlse)
-    return backend.attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, deterministic, dlse=dlse
+    # Both backends are deterministic (no atomics), so ``deterministic`` needs no branch.
+    return _backend(q).attention_backward(
+        dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
+        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse,
     )
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, deterministic):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -79,22 +84,24 @@ def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, d
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, deterministic = inputs
+    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
     ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     # A loss that uses the LSE (return_lse=True) adds dlse_i * P_ij to dS_ij; it is folded
     # into the backward's per-row term D_i, so it costs nothing when absent.
     dq, dk, dv = attention_backward(
-        dout.contiguous(), q, k, v, out, lse, dlse, ctx.softmax_scale, *ctx.window, ctx.deterministic
+        dout.contiguous(), q, k, v, out, lse, dlse, ctx.softmax_scale, *ctx.window, ctx.softcap,
+        alibi_slopes, ctx.deterministic,
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

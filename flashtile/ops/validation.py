@@ -74,6 +74,21 @@ def check_window(window_size) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def check_alibi_slopes(alibi_slopes, batch, nheads, device) -> None:
+    """ALiBi slopes: float32 ``(nheads,)`` or ``(batch, nheads)`` on the inputs' device."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"alibi_slopes must be torch.float32, got {alibi_slopes.dtype}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device ({device}), got {alibi_slopes.device}")
+    shapes = [(nheads,)] + ([(batch, nheads)] if batch is not None else [])
+    if tuple(alibi_slopes.shape) not in shapes:
+        raise ValueError(
+            f"alibi_slopes must have shape {' or '.join(str(s) for s in shapes)}, got {tuple(alibi_slopes.shape)}"
+        )
+
+
 def check_attention_inputs(
     q,
     k,
@@ -140,13 +155,9 @@ def check_attention_inputs(
     deterministic = _check_scalar("deterministic", deterministic, bool, "a bool")
 
     if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-        raise NotImplementedError("alibi_slopes is not implemented yet; pass alibi_slopes=None")
+        check_alibi_slopes(alibi_slopes, batch=None if packed else q.shape[0], nheads=nheads, device=q.device)
     if dropout_p > 0.0:
         raise NotImplementedError("dropout_p > 0 is not implemented yet; pass dropout_p=0.0")
-    if softcap > 0.0:
-        raise NotImplementedError("softcap > 0 is not implemented yet; pass softcap=0.0")
 
     return AttentionParams(
         softmax_scale=softmax_scale,

@@ -211,3 +211,52 @@ def test_dkdv_orientations_match_reference(causal):
         grads = ka.attention_backward(dout, q, k, v, out, lse, 0.2, -1, right, configs=(cfg_kv, base_q))
         for name, got, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
             torch.testing.assert_close(got.double(), r, atol=2e-5, rtol=1e-4, msg=f"{name}, kv_as_b={kv_as_b}")
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "softcap,alibi_shape,causal",
+    [(4.0, None, False), (2.0, None, True), (0.0, "heads", True), (0.0, "batch-heads", False), (3.0, "heads", True)],
+    ids=["softcap", "softcap-causal", "alibi-causal", "alibi-per-batch", "both-causal"],
+)
+def test_softcap_and_alibi_match_reference(softcap, alibi_shape, causal):
+    q, k, v = random_qkv(2, 37, 45, 2, 1, 32, device=DEVICE, seed=9)
+    q = q * 2  # scores big enough for the softcap to bend them
+    gen = torch.Generator().manual_seed(3)
+    slopes = None
+    if alibi_shape == "heads":
+        slopes = (torch.rand(2, generator=gen) * 0.5).to(DEVICE)
+    elif alibi_shape == "batch-heads":
+        slopes = (torch.rand(2, 2, generator=gen) * 0.5).to(DEVICE)
+    right = 0 if causal else -1
+    kw = dict(softcap=softcap, alibi_slopes=slopes)
+    out, lse = ka.attention_forward(q, k, v, 0.3, -1, right, **kw)
+    dout = random_like(out, seed=4)
+    ref = reference_attention_grads(q, k, v, dout, softmax_scale=0.3, causal=causal, **kw)
+    torch.testing.assert_close(out.double(), ref[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref[1], atol=2e-5, rtol=1e-5)
+    base_kv, base_q = ka._bwd_config(ka._padded_headdim(32), q.dtype, causal)
+    for kv_as_b in (False, True):
+        cfg_kv = ka._Config(base_kv.block_m, base_kv.block_n, base_kv.num_warps, base_kv.num_stages, kv_as_b=kv_as_b)
+        grads = ka.attention_backward(dout, q, k, v, out, lse, 0.3, -1, right, configs=(cfg_kv, base_q), **kw)
+        for name, got, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
+            torch.testing.assert_close(got.double(), r, atol=5e-5, rtol=1e-4, msg=f"{name}, kv_as_b={kv_as_b}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap,use_alibi,causal", [(30.0, False, True), (0.0, True, True), (20.0, True, False)])
+def test_gpu_softcap_and_alibi(dtype, softcap, use_alibi, causal):
+    import flashtile
+
+    q, k, v = random_qkv(2, 1000, 1100, 8, 2, 128, dtype=dtype, device="cuda", requires_grad=True, seed=11)
+    slopes = torch.rand(8, device="cuda", dtype=torch.float32) * 0.1 if use_alibi else None
+    kw = dict(softcap=softcap, alibi_slopes=slopes, causal=causal)
+    out = flashtile.flash_attn_func(q, k, v, **kw)
+    dout = random_like(out, seed=12)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = reference_attention_grads(q, k, v, dout, **kw)
+    low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
+    assert_close_to_reference(out, ref[0], low[0], "out", atol_floor=1e-3)
+    for name, got, r, lo in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
+        assert_close_to_reference(got, r, lo, name, atol_floor=1e-2)
