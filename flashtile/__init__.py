@@ -1,8 +1,17 @@
 """flashtile: IO-aware exact attention and softmax kernels (Triton on GPU, PyTorch on CPU)."""
 
-from flashtile.interface import flash_attn_func
+from flashtile.interface import flash_attn_func, flash_attn_varlen_func
+from flashtile.padding import pad_input, unpad_input
 from flashtile.ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "softmax", "log_softmax", "__version__"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "unpad_input",
+    "pad_input",
+    "softmax",
+    "log_softmax",
+    "__version__",
+]

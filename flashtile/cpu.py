@@ -198,3 +198,51 @@ def attention_backward(
         return x.reshape(b, hk * g, n, dd).permute(0, 2, 1, 3).to(dtype).contiguous()
 
     return back(dq, q.dtype, nheads), back(dk, k.dtype, nheads_k), back(dv, v.dtype, nheads_k)
+
+
+# ----------------------------------------------------------------------------------------
+# Packed variable-length batches: the same tiled algorithm per sequence
+# ----------------------------------------------------------------------------------------
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        yield b, cq[b], cq[b + 1], ck[b], ck[b + 1]
+
+
+def _sequence_slopes(alibi_slopes, b):
+    return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
+                             softcap=0.0, alibi_slopes=None):
+    """Packed ``(total, nheads, d)`` forward; LSE ``(nheads, total_q)``."""
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_compute_dtype(q.dtype), device=q.device)
+    for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        o, l = attention_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left,
+                                 window_right, softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b))
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l[0]
+    return out, lse
+
+
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
+                              window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None):
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        g = attention_backward(
+            dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+            lse[None, :, q0:q1], softmax_scale, window_left, window_right,
+            dlse=None if dlse is None else dlse[None, :, q0:q1],
+            softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b),
+        )
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv

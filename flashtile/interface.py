@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashtile.ops import attention as _ops
-from flashtile.ops.validation import check_attention_inputs
+from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens
 
 
 def flash_attn_func(
@@ -63,5 +63,59 @@ def flash_attn_func(
     out, lse = _ops.attention_forward(
         q, k, v, params.softmax_scale, params.window_left, params.window_right, params.softcap,
         alibi_slopes, params.deterministic,
+    )
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Attention over a packed batch of sequences of different lengths.
+
+    Args:
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_k, headdim)`` -- the
+            sequences of the batch concatenated (see :func:`flashtile.unpad_input`).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` prefix sums: sequence ``b`` is
+            rows ``cu_seqlens[b] : cu_seqlens[b + 1]``; a sequence may be empty.
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        The other arguments mean what they mean for :func:`flash_attn_func`, per sequence
+        (causal / window masks are aligned to each sequence's bottom right).
+
+    Returns:
+        ``out`` shaped like ``q``, or ``(out, lse)`` with ``lse (nheads, total_q)`` float32.
+
+    Runs on CPU tensors for now (the GPU kernel is not written yet: NotImplementedError).
+    """
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor of shape (total_q, nheads, headdim), got {type(q).__name__}")
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] if q.dim() == 3 else -1, q.device,
+                             max_seqlen_q, "max_seqlen_q")
+    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else -1,
+                               q.device, max_seqlen_k, "max_seqlen_k")
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    params = check_attention_inputs(
+        q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, packed=True, packed_batch=batch,
+    )
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out, lse = _ops.varlen_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, params.softmax_scale, params.window_left, params.window_right,
+        params.softcap, alibi_slopes, params.deterministic,
     )
     return (out, lse) if return_lse else out

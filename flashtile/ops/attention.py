@@ -105,3 +105,95 @@ def _backward(ctx, dout, dlse):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------
+# Packed variable-length batches
+# --------------------------------------------------------------------------------------
+
+
+def _varlen_backend(t: torch.Tensor):
+    if t.is_cuda:
+        raise NotImplementedError(
+            "flash_attn_varlen_func has no GPU kernel yet: run it on CPU tensors, or pad the batch "
+            "and use flash_attn_func"
+        )
+    return cpu
+
+
+@torch.library.custom_op("flashtile::varlen_attention_forward", mutates_args=())
+def varlen_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _varlen_backend(q).varlen_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
+        softcap=softcap, alibi_slopes=alibi_slopes,
+    )
+
+
+@varlen_attention_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+      deterministic):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype))
+
+
+@torch.library.custom_op("flashtile::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _varlen_backend(q).varlen_attention_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
+        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse,
+    )
+
+
+@varlen_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap,
+      alibi_slopes, deterministic):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    softmax_scale, window_left, window_right, softcap, deterministic = ctx.args
+    dq, dk, dv = varlen_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, softmax_scale, window_left, window_right, softcap,
+        alibi_slopes, deterministic,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -102,6 +102,7 @@ def check_attention_inputs(
     alibi_slopes=None,
     deterministic=False,
     packed: bool = False,
+    packed_batch: int | None = None,
 ) -> AttentionParams:
     """Validate dense ``(batch, seqlen, nheads, headdim)`` (or packed ``(total, nheads, headdim)``)
     inputs and return the normalised scalar parameters."""
@@ -155,7 +156,7 @@ def check_attention_inputs(
     deterministic = _check_scalar("deterministic", deterministic, bool, "a bool")
 
     if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, batch=None if packed else q.shape[0], nheads=nheads, device=q.device)
+        check_alibi_slopes(alibi_slopes, batch=packed_batch if packed else q.shape[0], nheads=nheads, device=q.device)
     if dropout_p > 0.0:
         raise NotImplementedError("dropout_p > 0 is not implemented yet; pass dropout_p=0.0")
 
@@ -167,3 +168,31 @@ def check_attention_inputs(
         dropout_p=dropout_p,
         deterministic=deterministic,
     )
+
+
+def check_cu_seqlens(name: str, cu_seqlens, total: int, device, max_seqlen, max_name: str) -> int:
+    """``cu_seqlens``: int32, 1-D, ``batch + 1`` prefix sums ending at ``total``.  Returns batch.
+
+    The values themselves (0 first, non-decreasing, last == total) are checked only for CPU
+    tensors: on a GPU that check would cost a device-to-host sync on every call.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32 prefix sums), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"{name} must be torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {cu_seqlens.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
+    if cu_seqlens.device.type == "cpu":
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        if int(cu_seqlens[0]) != 0 or bool((lens < 0).any()) or int(cu_seqlens[-1]) != total:
+            raise ValueError(
+                f"{name} must start at 0, be non-decreasing and end at the packed length {total}, "
+                f"got {cu_seqlens.tolist()}"
+            )
+        if int(lens.max()) > max_seqlen:
+            raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({int(lens.max())})")
+    return cu_seqlens.numel() - 1
