@@ -14,12 +14,12 @@ import torch
 import triton
 
 from flashtile import cpu
+from flashtile.bench.gpu import attention_flops
 from flashtile.kernels import attention as ka
 
 
 def flops(b, h, n, d, causal, mode):
-    f = 4 * b * h * n * n * d / (2 if causal else 1)
-    return f * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+    return attention_flops(b, h, n, n, d, causal, mode)
 
 
 def _bwd_candidates(hd, kv_tiles=None):

@@ -61,7 +61,7 @@ def run_softmax_benchmark(out_dir="benchmarks/results", cols=COLS, dtypes=(torch
         ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
         records.append(dict(bench="softmax", impl="copy", mode="copy", dtype=str(dtype).replace("torch.", ""),
                             rows=1, cols=TOTAL, ms=ms, gbps=2 * TOTAL * elt / ms * 1e-6, **env))
-        del src, dst
+        src = dst = None  # free the copy buffers before the softmax shapes
         jobs = [(n, mode, impl) for n in cols for mode in modes for impl in impls]
         for n, mode, impl in tqdm(jobs, disable=not progress, desc=f"softmax {dtype}"):
             m = TOTAL // n
@@ -83,7 +83,7 @@ def run_softmax_benchmark(out_dir="benchmarks/results", cols=COLS, dtypes=(torch
                 records.append(dict(rec, ms=None, gbps=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 continue
             records.append(dict(rec, ms=ms, gbps=moved / ms * 1e-6))
-            del x
+            x = None
             torch.cuda.empty_cache()
     out_dir = Path(out_dir)
     write_jsonl(out_dir / "softmax.jsonl", records)

@@ -25,7 +25,6 @@ as zeros), so no copy is made.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -36,13 +35,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _is_hopper() -> bool:
-    return (not INTERPRET) and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @triton.jit
@@ -90,6 +84,37 @@ def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
     return 0.0
 
 
+@triton.jit
+def _recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                 softcap_scale, softcap_log2, slope_log2,
+                 MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """The backward's P = exp2(score - LSE) for a tile in either orientation, and tanh.
+
+    ``q_idx``, ``k_idx`` and ``lse2`` (the LSE in log2 units, +inf for empty rows) are shaped
+    to broadcast to ``qk`` (see ``band_mask``).
+    """
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s, tanh = _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+                             softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(s - lse2)
+    else:
+        tanh = qk
+        p = tl.math.exp2(qk * qk_scale - lse2)
+    if MASKED:
+        visible = band_mask(q_idx, k_idx, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+        p = tl.where(visible, p, 0.0)
+    return p, tanh
+
+
+@triton.jit
+def _softcap_grad(ds, tanh, HAS_SOFTCAP: tl.constexpr):
+    # d(cap * tanh(x / cap)) = (1 - tanh^2) dx: the chain rule through the softcap.
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - tanh * tanh)
+    return ds
+
+
 # --------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------
@@ -116,7 +141,7 @@ def _fwd_tiles(
         else:
             s_scale = qk_scale
         if MASKED:
-            visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+            visible = band_mask(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
                                 MASK_LEFT, MASK_RIGHT)
             qk = tl.where(visible, qk, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
@@ -252,39 +277,21 @@ def _dkdv_tiles(
         do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         if KV_AS_B:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if HAS_SOFTCAP or HAS_ALIBI:
-                qk, tanh = _score_mod(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale,
-                                      softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-                p = tl.math.exp2(qk - lse2[:, None])
-            else:
-                p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-            if MASKED:
-                visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                    MASK_LEFT, MASK_RIGHT)
-                p = tl.where(visible, p, 0.0)
+            p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k, qk_scale,
+                                   window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                                   MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - tanh * tanh)
+            ds = _softcap_grad(p * (dp - delta[:, None]), tanh, HAS_SOFTCAP)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
         else:
             qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            if HAS_SOFTCAP or HAS_ALIBI:
-                qkT, tanhT = _score_mod(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale,
-                                        softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-                pT = tl.math.exp2(qkT - lse2[None, :])
-            else:
-                pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-            if MASKED:
-                visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                    MASK_LEFT, MASK_RIGHT)
-                pT = tl.where(tl.trans(visible), pT, 0.0)
+            pT, tanhT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
+                                     qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                                     MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dsT = pT * (dpT - delta[None, :])
-            if HAS_SOFTCAP:
-                dsT = dsT * (1.0 - tanhT * tanhT)
+            dsT = _softcap_grad(pT * (dpT - delta[None, :]), tanhT, HAS_SOFTCAP)
             dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -350,20 +357,11 @@ def _dq_tiles(
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if HAS_SOFTCAP or HAS_ALIBI:
-            qk, tanh = _score_mod(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale,
-                                  softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-            p = tl.math.exp2(qk - lse2[:, None])
-        else:
-            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASKED:
-            visible = band_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                MASK_LEFT, MASK_RIGHT)
-            p = tl.where(visible, p, 0.0)
+        p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k, qk_scale,
+                               window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                               MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - tanh * tanh)
+        ds = _softcap_grad(p * (dp - delta[:, None]), tanh, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 

@@ -104,8 +104,8 @@ def query_tiles(
 
 @triton.jit
 def band_mask(
-    offs_m,
-    offs_n,
+    q_idx,
+    k_idx,
     seqlen_q,
     seqlen_k,
     window_left,
@@ -113,11 +113,16 @@ def band_mask(
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
 ):
-    """Element-wise visibility of a (BLOCK_M, BLOCK_N) tile: ``flashtile.masking.visible``."""
-    diag = offs_m[:, None] + (seqlen_k - seqlen_q)
-    ok = offs_n[None, :] < seqlen_k
+    """Element-wise visibility ``flashtile.masking.visible`` of a tile.
+
+    ``q_idx`` / ``k_idx`` are query and key indices shaped to broadcast to the tile, in
+    either orientation: ``(offs_m[:, None], offs_n[None, :])`` for a (queries x keys) tile,
+    ``(offs_m[None, :], offs_n[:, None])`` for its transpose.
+    """
+    diag = q_idx + (seqlen_k - seqlen_q)
+    ok = k_idx < seqlen_k
     if MASK_RIGHT:
-        ok = ok & (offs_n[None, :] <= diag + window_right)
+        ok = ok & (k_idx <= diag + window_right)
     if MASK_LEFT:
-        ok = ok & (offs_n[None, :] >= diag - window_left)
+        ok = ok & (k_idx >= diag - window_left)
     return ok

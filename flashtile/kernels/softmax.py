@@ -192,6 +192,15 @@ def _bwd_terms(Y, G, MASK, y_off, m_off, cols, ok, smc, LOG: tl.constexpr, MASK_
 
 
 @triton.jit
+def _bwd_dx(p, g, s, keep, scale, LOG: tl.constexpr):
+    if LOG:
+        dx = g - p * s
+    else:
+        dx = p * (g - s)
+    return tl.where(keep, dx * scale, 0.0)
+
+
+@triton.jit
 def _softmax_bwd_in_registers(
     Y, G, MASK, DX, n_rows, n_cols, L1, L2, sm0, sm1, sm2, smc, scale,
     LOG: tl.constexpr, MASK_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -202,12 +211,7 @@ def _softmax_bwd_in_registers(
     y_off = rows.to(tl.int64)[:, None] * n_cols
     m_off = _row_offset(rows, L1, L2, sm0, sm1, sm2)[:, None]
     p, g, term, keep = _bwd_terms(Y, G, MASK, y_off, m_off, cols, ok, smc, LOG, MASK_KIND)
-    s = tl.sum(term, axis=1)[:, None]
-    if LOG:
-        dx = g - p * s
-    else:
-        dx = p * (g - s)
-    dx = tl.where(keep, dx * scale, 0.0)
+    dx = _bwd_dx(p, g, tl.sum(term, axis=1)[:, None], keep, scale, LOG)
     tl.store(DX + y_off + cols, dx.to(DX.dtype.element_ty), mask=ok)
 
 
@@ -246,28 +250,13 @@ def _softmax_bwd_write(
         cols = start + tl.arange(0, BLOCK_N)
         ok = (cols < n_cols) & (cols < c0 + chunk)
         p, g, term, keep = _bwd_terms(Y, G, MASK, y_off, m_off, cols, ok, smc, LOG, MASK_KIND)
-        if LOG:
-            dx = g - p * s
-        else:
-            dx = p * (g - s)
-        dx = tl.where(keep, dx * scale, 0.0)
+        dx = _bwd_dx(p, g, s, keep, scale, LOG)
         tl.store(DX + y_off + cols, dx.to(DX.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------
 # Launch planning
 # --------------------------------------------------------------------------------------
-
-
-class RowLayout:
-    """Rows of a tensor as (L0, L1, L2) leading indices with strides, plus a column stride."""
-
-    def __init__(self, lead_shape, lead_strides, col_stride):
-        self.lead_shape, self.lead_strides, self.col_stride = lead_shape, lead_strides, col_stride
-
-    def args(self):
-        (l0, l1, l2), (s0, s1, s2) = self.lead_shape, self.lead_strides
-        return s0, s1, s2, self.col_stride
 
 
 def collapse_rows(shape, *stride_sets):

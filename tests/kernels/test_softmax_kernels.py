@@ -22,7 +22,6 @@ wrong by a few ulps, along the wrong dim, or missing the scale fail these same a
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
