@@ -26,33 +26,39 @@ from flashtile.kernels import attention as ka
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32",
-          "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32"}
+          "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32",
+          "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32", "headdim": "i32"}
+VARLEN = False
 
 
 def _desc(rows: int, hd: int, dtype: str) -> str:
-    return f"tensordesc<{dtype}[1, {rows}, 1, {hd}]>"
+    # Packed batches pass raw pointers and build descriptors in the kernel.
+    return f"*{dtype}" if VARLEN else f"tensordesc<{dtype}[1, {rows}, 1, {hd}]>"
 
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
                    kv_as_b: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False):
     masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
-             "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi}
+             "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN}
     if kind == "fwd":
         fn = ka._attn_fwd
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
-               "O_desc": _desc(bm, hd, dtype), "LSE": "*fp32", **COMMON, "nheads": "i32", "group": "i32"}
+               "O_desc": _desc(bm, hd, dtype), "LSE": "*fp32", **COMMON, "nheads": "i32", "group": "i32",
+               "max_seqlen_q": "i32"}
         consts = dict(masks, WARP_SPECIALIZE=False)
     elif kind == "dkdv":
         fn = ka._attn_bwd_dkdv
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "DO_desc": _desc(bm, hd, dtype), "DK_desc": _desc(bn, hd, dtype), "DV_desc": _desc(bn, hd, dtype),
-               "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32", "group": "i32", "softmax_scale": "fp32"}
+               "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32", "group": "i32", "softmax_scale": "fp32",
+               "max_seqlen_k": "i32"}
         consts = dict(masks, KV_AS_B=kv_as_b)
     elif kind == "dq":
         fn = ka._attn_bwd_dq
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "DO_desc": _desc(bm, hd, dtype), "DQ_desc": _desc(bm, hd, dtype),
-               "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads": "i32", "group": "i32", "softmax_scale": "fp32"}
+               "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads": "i32", "group": "i32", "softmax_scale": "fp32",
+               "max_seqlen_q": "i32"}
         consts = masks
     else:
         raise ValueError(f"kind must be fwd, dkdv or dq, got {kind!r}")
@@ -86,13 +92,16 @@ def main():
     ap.add_argument("--kv-as-b", type=int, nargs="+", default=[0])
     ap.add_argument("--softcap", type=int, nargs="+", default=[0])
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
+    ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")
     args = ap.parse_args()
+    global VARLEN
+    VARLEN = args.varlen
     for tiles, hd, causal, kvb, sc, al in itertools.product(args.tiles, args.headdim, args.causal, args.kv_as_b,
                                                            args.softcap, args.alibi):
         bm, bn, w, s = map(int, tiles.split(","))
         k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al))
         print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb} "
-              f"softcap={sc} alibi={al}: {report(k)}", flush=True)
+              f"softcap={sc} alibi={al} varlen={int(VARLEN)}: {report(k)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,9 @@ def flash_attn_varlen_func(
     Returns:
         ``out`` shaped like ``q``, or ``(out, lse)`` with ``lse (nheads, total_q)`` float32.
 
-    Runs on CPU tensors for now (the GPU kernel is not written yet: NotImplementedError).
+    On a GPU the whole batch is one launch of the Triton kernels (each program finds its
+    sequence through ``cu_seqlens``; ``max_seqlen_*`` size the grid and must not be smaller
+    than the longest sequence); on the CPU each sequence runs the tiled PyTorch path.
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor of shape (total_q, nheads, headdim), got {type(q).__name__}")
@@ -115,7 +117,7 @@ def flash_attn_varlen_func(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     out, lse = _ops.varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, params.softmax_scale, params.window_left, params.window_right,
-        params.softcap, alibi_slopes, params.deterministic,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params.softmax_scale,
+        params.window_left, params.window_right, params.softcap, alibi_slopes, params.deterministic,
     )
     return (out, lse) if return_lse else out

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashtile
-from helpers import reference_attention_grads, random_like
+from helpers import assert_close_to_reference, random_like, reference_attention_grads
 
 
 def _padded_batch(lengths_q, lengths_k, nheads=4, nheads_k=2, headdim=16, dtype=torch.float32, seed=0):
@@ -111,13 +111,33 @@ def test_opcheck_varlen_ops():
     v = torch.randn(11, 1, 16, requires_grad=True)
     cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 8, 11], dtype=torch.int32)
-    args = (q, k, v, cu_q, cu_k, 0.25, -1, 0, 0.0, None, False)
+    args = (q, k, v, cu_q, cu_k, 5, 6, 0.25, -1, 0, 0.0, None, False)
     torch.library.opcheck(torch.ops.flashtile.varlen_attention_forward, args)
 
 
 @pytest.mark.gpu
-def test_varlen_on_gpu_is_not_implemented_yet():
-    q = torch.randn(9, 2, 16, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="varlen"):
-        flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_varlen_matches_reference(dtype, causal):
+    lengths_q, lengths_k = [300, 1, 0, 1024, 77], [300, 64, 5, 900, 77]
+    q, k, v, mq, mk = _padded_batch(lengths_q, lengths_k, nheads=8, nheads_k=2, headdim=128, dtype=dtype)
+    q, k, v, mq, mk = (t.cuda() for t in (q, k, v, mq, mk))
+    qp, _, cu_q, max_q = flashtile.unpad_input(q, mq)
+    kp, _, cu_k, max_k = flashtile.unpad_input(k, mk)
+    vp, _, _, _ = flashtile.unpad_input(v, mk)
+    qp, kp, vp = (t.clone().requires_grad_(True) for t in (qp, kp, vp))
+    out, lse = flashtile.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True)
+    dout = random_like(out, seed=2)
+    grads = torch.autograd.grad(out, (qp, kp, vp), dout)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lengths_q)):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue
+        ref = reference_attention_grads(qp[None, sq], kp[None, sk], vp[None, sk], dout[None, sq], causal=causal)
+        low = reference_attention_grads(qp[None, sq], kp[None, sk], vp[None, sk], dout[None, sq], causal=causal,
+                                        upcast=False)
+        assert_close_to_reference(out[None, sq], ref[0], low[0], f"out[{b}]", atol_floor=1e-3)
+        for name, got, r, lo in (("dq", grads[0][None, sq], ref[2], low[2]), ("dk", grads[1][None, sk], ref[3], low[3]),
+                                 ("dv", grads[2][None, sk], ref[4], low[4])):
+            assert_close_to_reference(got, r, lo, f"{name}[{b}]", atol_floor=1e-2)

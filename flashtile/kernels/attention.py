@@ -57,6 +57,29 @@ def _tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
 
 
 @triton.jit
+def _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(q_start, seqlen_q, k_start, seqlen_k) of batch entry ``b``; packed batches read cu_seqlens."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        k_start = tl.load(CU_K + b)
+        return q_start, tl.load(CU_Q + b + 1) - q_start, k_start, tl.load(CU_K + b + 1) - k_start
+    return 0, seqlen_q, 0, seqlen_k
+
+
+@triton.jit
+def _packed_desc(base, start, seqlen, nheads, headdim, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """TMA descriptor over one sequence of a contiguous packed ``(total, nheads, headdim)`` tensor.
+
+    Viewed as ``(1, seqlen, nheads, headdim)``, its tiles use the dense kernels' coordinates
+    ``[0, row, head, 0]``, and rows past *this sequence* read as zeros and are never written
+    -- the neighbouring sequences are out of bounds, exactly as the end of a dense tensor is.
+    """
+    row = nheads * headdim
+    return tl.make_tensor_descriptor(base + start.to(tl.int64) * row, shape=[1, tl.maximum(seqlen, 1), nheads, headdim],
+                                     strides=[row, row, headdim, 1], block_shape=[1, BLOCK, 1, HEAD_DIM])
+
+
+@triton.jit
 def _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Scores in log2 units after SEMANTICS steps 1-3 (scale, softcap, ALiBi), and tanh.
@@ -166,18 +189,28 @@ def _fwd_tiles(
 
 @triton.jit
 def _attn_fwd(
-    Q_desc, K_desc, V_desc, O_desc, LSE, ALIBI, stride_ab,
-    seqlen_q, seqlen_k, nheads, group, qk_scale, window_left, window_right, softcap_scale, softcap_log2,
+    Q_desc, K_desc, V_desc, O_desc, LSE, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
+    softcap_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, MASK_RIGHT)
+    pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
     h = bh % nheads
     hk = h // group
     m0 = pid_m * BLOCK_M
     slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
+    q_start, seqlen_q, k_start, seqlen_k = _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        if m0 >= seqlen_q:  # the grid covers the longest sequence
+            return
+        Q_desc = _packed_desc(Q_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
+        K_desc = _packed_desc(K_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
+        V_desc = _packed_desc(V_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
+        O_desc = _packed_desc(O_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
+        b = 0  # from here on b is only the descriptors' first coordinate
 
     q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -209,7 +242,8 @@ def _attn_fwd(
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    tl.store(LSE + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse_row = (bh // nheads).to(tl.int64) * stride_lb + h * stride_lh + q_start
+    tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < seqlen_q)
     out = (acc * inv_l[:, None]).to(O_desc.dtype)
     O_desc.store([b, m0, h, 0], out.reshape([1, BLOCK_M, 1, HEAD_DIM]))
 
@@ -221,23 +255,25 @@ def _attn_fwd(
 
 @triton.jit
 def _bwd_preprocess(
-    O, DO, DLSE, LSE, Delta, LSE2,
+    O, DO, DLSE, LSE, Delta, LSE2, CU_Q, stride_lb, stride_lh,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
-    seqlen_q, nheads, headdim,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    seqlen_q, max_seqlen_q, nheads, headdim,
+    HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, False)
+    pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, False)
     b = bh // nheads
     h = bh % nheads
+    q_start, seqlen_q, _, _ = _sequence_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < headdim)
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+    rows = (q_start + offs_m).to(tl.int64)[:, None]  # packed: the batch stride is 0
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :],
                  mask=mask, other=0.0).to(tl.float32)
-    row = bh.to(tl.int64) * seqlen_q + offs_m
+    row = b.to(tl.int64) * stride_lb + h * stride_lh + q_start + offs_m
     delta = tl.sum(o * do, axis=1)
     if HAS_DLSE:
         # d lse_i / d s_ij = P_ij: a gradient on the LSE only shifts D_i.
@@ -267,7 +303,7 @@ def _dkdv_tiles(
     operand, which stays in shared memory, and transposes P and dS instead.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    row_base = bh.to(tl.int64) * seqlen_q
+    row_base = bh  # offset of this head's LSE / D rows, computed by the caller
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
@@ -299,16 +335,30 @@ def _dkdv_tiles(
 @triton.jit
 def _attn_bwd_dkdv(
     Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, LSE2, Delta, ALIBI, stride_ab,
-    seqlen_q, seqlen_k, nheads_k, group, qk_scale, softmax_scale, window_left, window_right,
+    CU_Q, CU_K, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale, window_left, window_right,
     softcap_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
-    pid_n, bhk = _tile_and_head(seqlen_k, BLOCK_N, False)
+    pid_n, bhk = _tile_and_head(max_seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     n0 = pid_n * BLOCK_N
+    batch = b
+    q_start, seqlen_q, k_start, seqlen_k = _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        if n0 >= seqlen_k:
+            return
+        nheads = nheads_k * group
+        Q_desc = _packed_desc(Q_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
+        DO_desc = _packed_desc(DO_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
+        K_desc = _packed_desc(K_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
+        V_desc = _packed_desc(V_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
+        DK_desc = _packed_desc(DK_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
+        DV_desc = _packed_desc(DV_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
+        b = 0  # from here on b is only the descriptors' first coordinate
     k = K_desc.load([b, n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
     v = V_desc.load([b, n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -319,21 +369,21 @@ def _attn_bwd_dkdv(
     # contributions here gives dK/dV without atomics or a K/V copy.
     for g in range(0, group):
         h = hk * group + g
-        bh = b * (nheads_k * group) + h
-        slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
+        rows = batch.to(tl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / D rows
+        slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
         if MASK_RIGHT:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, lo, full_lo,
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, lo, full_lo,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                                  HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_lo, full_hi,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_lo, full_hi,
                              seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                              softcap_scale, softcap_log2, slope_log2,
                              BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
                              HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
         if MASK_LEFT:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, full_hi, hi,
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_hi, hi,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
@@ -368,26 +418,36 @@ def _dq_tiles(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, LSE2, Delta, ALIBI, stride_ab,
-    seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale, window_left, window_right,
+    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, LSE2, Delta, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, softmax_scale, window_left, window_right,
     softcap_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, MASK_RIGHT)
+    pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
     h = bh % nheads
     hk = h // group
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
+    slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
+    q_start, seqlen_q, k_start, seqlen_k = _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    row = b.to(tl.int64) * stride_lb + h * stride_lh + q_start + offs_m
+    if VARLEN:
+        if m0 >= seqlen_q:
+            return
+        Q_desc = _packed_desc(Q_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
+        DO_desc = _packed_desc(DO_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
+        DQ_desc = _packed_desc(DQ_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
+        K_desc = _packed_desc(K_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
+        V_desc = _packed_desc(V_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
+        b = 0  # from here on b is only the descriptors' first coordinate
     q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
     do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
-    row = bh.to(tl.int64) * seqlen_q + offs_m
     lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(Delta + row, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
@@ -513,75 +573,91 @@ def _score_mod_args(softmax_scale: float, softcap: float, alibi_slopes, placehol
     )
 
 
-def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
-    config: _Config | None = None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out, lse)."""
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+class _Layout:
+    """Dense ``(batch, seqlen, heads, d)`` or packed ``(total, heads, d)`` inputs, as the kernels see them.
+
+    Dense tiles are addressed through host TMA descriptors; packed ones through descriptors
+    the kernels build per sequence (``_packed_desc``) from the raw tensor and cu_seqlens.
+    """
+
+    def __init__(self, q, k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+        self.varlen = cu_seqlens_q is not None
+        self.nheads, self.nheads_k = q.shape[-2], k.shape[-2]
+        if self.varlen:
+            self.batch = cu_seqlens_q.numel() - 1
+            self.seqlen_q, self.seqlen_k = max_seqlen_q, max_seqlen_k  # grid extent; kernels read the rest
+            self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
+            self.lse_shape = (self.nheads, q.shape[0])
+            self.lse_strides = (0, q.shape[0])  # (batch, head): packed rows are already offset
+        else:
+            self.batch, self.seqlen_q = q.shape[0], q.shape[1]
+            self.seqlen_k = k.shape[1]
+            self.cu_q = self.cu_k = None
+            self.lse_shape = (self.batch, self.nheads, self.seqlen_q)
+            self.lse_strides = (self.nheads * self.seqlen_q, self.seqlen_q)
+
+    def prepare(self, t):
+        # Packed descriptors assume a contiguous (total, heads, d) tensor.
+        t = _tma_ready(t)
+        return t.contiguous() if self.varlen else t
+
+    def tiles(self, t, rows, hd):
+        return t if self.varlen else _descriptor(t, rows, hd)
+
+    def seq_args(self, placeholder):
+        cu_q = self.cu_q if self.varlen else placeholder
+        cu_k = self.cu_k if self.varlen else placeholder
+        return cu_q, cu_k, *self.lse_strides
+
+
+def _unpad(x, d):
+    # Contiguous like the custom ops' fake implementations promise (a copy only for padded head dims).
+    return x[..., :d].contiguous() if x.shape[-1] != d else x
+
+
+def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes):
+    d = q.shape[-1]
     hd = _padded_headdim(d)
     cfg = config or _fwd_config(hd, q.dtype, window_right >= 0)
-    q_, k_, v_ = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    q_, k_, v_ = layout.prepare(q), layout.prepare(k), layout.prepare(v)
     out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
+    lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     _attn_fwd[grid](
-        _descriptor(q_, cfg.block_m, hd), _descriptor(k_, cfg.block_n, hd), _descriptor(v_, cfg.block_n, hd),
-        _descriptor(out_, cfg.block_m, hd), lse, mods["alibi"], mods["stride_ab"],
-        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, window_left, window_right,
+        layout.tiles(q_, cfg.block_m, hd), layout.tiles(k_, cfg.block_n, hd), layout.tiles(v_, cfg.block_n, hd),
+        layout.tiles(out_, cfg.block_m, hd), lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
+        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
+        q_.shape[-1], softmax_scale * LOG2E, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"],
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
+        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], VARLEN=layout.varlen,
         WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    # Contiguous like the custom op's fake implementation promises (a copy only for padded head dims).
-    out = out_[..., :d].contiguous() if out_.shape[-1] != d else out_
-    return out, lse
+    return _unpad(out_, d), lse
 
 
-def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
-    deterministic: bool = False,
-    dlse: torch.Tensor | None = None,
-    configs: tuple[_Config, _Config] | None = None,
-    softcap: float = 0.0,
-    alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch preprocess, dK/dV and dQ kernels. Deterministic whatever ``deterministic`` says."""
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
+              softcap, alibi_slopes):
+    d = q.shape[-1]
     hd = _padded_headdim(d)
     cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype, window_right >= 0)
-    q_, k_, v_, do_ = _tma_ready(q), _tma_ready(k), _tma_ready(v), _tma_ready(dout)
+    q_, k_, v_, do_ = (layout.prepare(t) for t in (q, k, v, dout))
+    nheads, nheads_k, batch = layout.nheads, layout.nheads_k, layout.batch
+    seq = layout.seq_args(lse)
 
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     pre_m = 64 if not INTERPRET else 16
-    _bwd_preprocess[(triton.cdiv(seqlen_q, pre_m) * batch * nheads,)](
-        out, dout, dlse if dlse is not None else lse, lse, delta, lse2,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        seqlen_q, nheads, d,
-        HAS_DLSE=dlse is not None, BLOCK_M=pre_m, HEAD_DIM=hd,
+    # Packed tensors have no batch dimension: batch stride 0, rows offset by cu_seqlens.
+    o_strides = (0, out.stride(0), out.stride(1)) if layout.varlen else (out.stride(0), out.stride(1), out.stride(2))
+    do_strides = (0, dout.stride(0), dout.stride(1)) if layout.varlen else (dout.stride(0), dout.stride(1), dout.stride(2))
+    _bwd_preprocess[(triton.cdiv(layout.seqlen_q, pre_m) * batch * nheads,)](
+        out, dout, dlse if dlse is not None else lse, lse, delta, lse2, seq[0], seq[2], seq[3],
+        *o_strides, *do_strides, layout.seqlen_q, layout.seqlen_q, nheads, d,
+        HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd,
     )
 
     dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
@@ -589,30 +665,75 @@ def attention_backward(
     dv_ = torch.empty(v_.shape, dtype=v.dtype, device=v.device)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-                  DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd,
+                  DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd, VARLEN=layout.varlen,
                   HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"])
     group = nheads // nheads_k
-    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
-        _descriptor(q_, cfg_kv.block_m, hd), _descriptor(k_, cfg_kv.block_n, hd),
-        _descriptor(v_, cfg_kv.block_n, hd), _descriptor(do_, cfg_kv.block_m, hd),
-        _descriptor(dk_, cfg_kv.block_n, hd), _descriptor(dv_, cfg_kv.block_n, hd), lse2, delta,
-        mods["alibi"], mods["stride_ab"],
-        seqlen_q, seqlen_k, nheads_k, group, softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+    tiles = layout.tiles
+    _attn_bwd_dkdv[(triton.cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
+        tiles(q_, cfg_kv.block_m, hd), tiles(k_, cfg_kv.block_n, hd), tiles(v_, cfg_kv.block_n, hd),
+        tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd),
+        lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
+        layout.seqlen_q, layout.seqlen_k, layout.seqlen_k, nheads_k, group, q_.shape[-1],
+        softmax_scale * LOG2E, softmax_scale, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"],
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
-    _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg_q.block_m) * batch * nheads,)](
-        _descriptor(q_, cfg_q.block_m, hd), _descriptor(k_, cfg_q.block_n, hd),
-        _descriptor(v_, cfg_q.block_n, hd), _descriptor(do_, cfg_q.block_m, hd),
-        _descriptor(dq_, cfg_q.block_m, hd), lse2, delta, mods["alibi"], mods["stride_ab"],
-        seqlen_q, seqlen_k, nheads, group, softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+    _attn_bwd_dq[(triton.cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](
+        tiles(q_, cfg_q.block_m, hd), tiles(k_, cfg_q.block_n, hd), tiles(v_, cfg_q.block_n, hd),
+        tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd),
+        lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
+        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, nheads, group, q_.shape[-1],
+        softmax_scale * LOG2E, softmax_scale, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"],
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
         num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
+    return _unpad(dq_, d), _unpad(dk_, d), _unpad(dv_, d)
 
-    def unpad(x):
-        return x[..., :d].contiguous() if x.shape[-1] != d else x
 
-    return unpad(dq_), unpad(dk_), unpad(dv_)
+def _ensure_allocator():
+    # Packed batches build TMA descriptors inside the kernels; Triton needs a scratch allocator.
+    if not INTERPRET:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, config=None, softcap=0.0,
+                      alibi_slopes=None):
+    """Forward. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out like q, lse ``(b, h, nq)`` fp32)."""
+    return _forward(_Layout(q, k), q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes)
+
+
+def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, window_right=-1,
+                       deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None):
+    """Backward: preprocess, dK/dV and dQ kernels.  Bitwise deterministic whatever ``deterministic`` says."""
+    return _backward(_Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
+                     configs, softcap, alibi_slopes)
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
+                             softcap=0.0, alibi_slopes=None, max_seqlen_q=None, max_seqlen_k=None, config=None):
+    """Packed forward: q ``(total_q, h, d)``, k/v ``(total_k, hk, d)`` -> (out, lse ``(h, total_q)``).
+
+    One launch for the whole batch; ``max_seqlen_*`` size the grid (computed with a host sync
+    when not given)."""
+    _ensure_allocator()
+    layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes)
+
+
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
+                              window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, max_seqlen_q=None,
+                              max_seqlen_k=None, configs=None):
+    _ensure_allocator()
+    layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
+                     softcap, alibi_slopes)
+
+
+def _max_seqlens(cu_q, cu_k, max_q, max_k):
+    if max_q is None:
+        max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    if max_k is None:
+        max_k = int((cu_k[1:] - cu_k[:-1]).max())
+    return max_q, max_k

@@ -113,12 +113,7 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _varlen_backend(t: torch.Tensor):
-    if t.is_cuda:
-        raise NotImplementedError(
-            "flash_attn_varlen_func has no GPU kernel yet: run it on CPU tensors, or pad the batch "
-            "and use flash_attn_func"
-        )
-    return cpu
+    return _backend(t)
 
 
 @torch.library.custom_op("flashtile::varlen_attention_forward", mutates_args=())
@@ -128,6 +123,8 @@ def varlen_attention_forward(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
     window_left: int,
     window_right: int,
@@ -135,15 +132,16 @@ def varlen_attention_forward(
     alibi_slopes: Optional[torch.Tensor],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k) if q.is_cuda else {}
     return _varlen_backend(q).varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes,
+        softcap=softcap, alibi_slopes=alibi_slopes, **kw,
     )
 
 
 @varlen_attention_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-      deterministic):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+      softcap, alibi_slopes, deterministic):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype))
@@ -160,6 +158,8 @@ def varlen_attention_backward(
     dlse: Optional[torch.Tensor],
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     softmax_scale: float,
     window_left: int,
     window_right: int,
@@ -167,33 +167,35 @@ def varlen_attention_backward(
     alibi_slopes: Optional[torch.Tensor],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k) if q.is_cuda else {}
     return _varlen_backend(q).varlen_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse,
+        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, **kw,
     )
 
 
 @varlen_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap,
-      alibi_slopes, deterministic):
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      window_left, window_right, softcap, alibi_slopes, deterministic):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic) = inputs
+    (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+     deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
-    ctx.args = (softmax_scale, window_left, window_right, softcap, deterministic)
+    ctx.args = (max_q, max_k, softmax_scale, window_left, window_right, softcap, deterministic)
 
 
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
-    softmax_scale, window_left, window_right, softcap, deterministic = ctx.args
+    max_q, max_k, softmax_scale, window_left, window_right, softcap, deterministic = ctx.args
     dq, dk, dv = varlen_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, softmax_scale, window_left, window_right, softcap,
-        alibi_slopes, deterministic,
+        dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left,
+        window_right, softcap, alibi_slopes, deterministic,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
