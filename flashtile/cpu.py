@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.dropout import keep_mask
 from flashtile.masking import is_masked, key_range, visible
 
 BLOCK_M = 256
@@ -63,6 +64,27 @@ def _score_mods(s, q0, q1, k0, k1, seqlen_q, seqlen_k, softcap, slopes):
     return s, t
 
 
+def _rng_head_rows(batch, nheads_k, group, seqlen_q, rng_rows, device):
+    """First dropout-RNG row of every (batch, head), shaped (b, hk, g, 1, 1): LSE-row numbering.
+
+    ``rng_rows = (batch stride, head stride, base, columns)``; dense calls use
+    ``(nheads * seqlen_q, seqlen_q, 0, seqlen_k)``, see ``flashtile.dropout``.
+    """
+    sb, sh, base, _ = rng_rows
+    b = torch.arange(batch, device=device).reshape(batch, 1, 1, 1, 1)
+    h = torch.arange(nheads_k * group, device=device).reshape(1, nheads_k, group, 1, 1)
+    return b * sb + h * sh + base
+
+
+def _dropout_factor(dropout, head_rows, rng_rows, q0, q1, k0, k1, dtype):
+    """1 / (1 - p) where kept, 0 where dropped, for a chunk; the kernels' mask exactly."""
+    p, seed, offset = dropout
+    rows = head_rows + torch.arange(q0, q1, device=head_rows.device)[:, None]
+    cols = torch.arange(k0, k1, device=head_rows.device)
+    keep = keep_mask(seed, offset, rows, cols, rng_rows[3], p)
+    return keep.to(dtype) * (1.0 / (1.0 - p))
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,6 +96,8 @@ def attention_forward(
     block_n: int = BLOCK_N,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout: tuple | None = None,
+    rng_rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward. Returns ``out`` (like q) and ``lse`` (batch, nheads, seqlen_q), float32
     (float64 for float64 inputs)."""
@@ -84,6 +108,9 @@ def attention_forward(
     acc_dtype = _compute_dtype(q.dtype)
 
     slopes = _slopes(alibi_slopes, batch, nheads_k, group, acc_dtype)
+    if dropout is not None:
+        rng_rows = rng_rows or (nheads * seqlen_q, seqlen_q, 0, seqlen_k)
+        head_rows = _rng_head_rows(batch, nheads_k, group, seqlen_q, rng_rows, q.device)
     qh = _heads_first(q, nheads_k)  # (b, hk, g, nq, d)
     kh = k.permute(0, 2, 1, 3).unsqueeze(2)  # (b, hk, 1, nk, d)
     vh = v.permute(0, 2, 1, 3).unsqueeze(2)
@@ -111,7 +138,9 @@ def attention_forward(
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)
-            l = l * alpha + p.sum(dim=-1)
+            l = l * alpha + p.sum(dim=-1)  # the denominator counts dropped entries too
+            if dropout is not None:
+                p = p * _dropout_factor(dropout, head_rows, rng_rows, q0, q1, k0, k1, acc_dtype)
             acc = acc * alpha[..., None] + p @ vh[..., k0:k1, :].to(acc_dtype)
             m = m_new
         empty = l == 0
@@ -139,6 +168,8 @@ def attention_backward(
     dlse: torch.Tensor | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    dropout: tuple | None = None,
+    rng_rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled backward by recomputation: P is rebuilt chunk by chunk from Q, K and the LSE."""
     batch, seqlen_q, nheads, d = q.shape
@@ -148,6 +179,9 @@ def attention_backward(
     acc_dtype = _compute_dtype(q.dtype)
 
     slopes = _slopes(alibi_slopes, batch, nheads_k, group, acc_dtype)
+    if dropout is not None:
+        rng_rows = rng_rows or (nheads * seqlen_q, seqlen_q, 0, seqlen_k)
+        head_rows = _rng_head_rows(batch, nheads_k, group, seqlen_q, rng_rows, q.device)
     qh = _heads_first(q, nheads_k)
     doh = _heads_first(dout, nheads_k)
     oh = _heads_first(out, nheads_k)
@@ -185,9 +219,12 @@ def attention_backward(
             if masked:
                 s = s.masked_fill(~_chunk_mask(q0, q1, k0, k1, seqlen_q, seqlen_k, window_left, window_right, q.device), float("-inf"))
             p = torch.exp(s - lse_safe[..., None])
-            dv[..., k0:k1, :] += (p.transpose(-1, -2) @ doc).sum(dim=2, keepdim=True)
+            drop = 1.0
+            if dropout is not None:
+                drop = _dropout_factor(dropout, head_rows, rng_rows, q0, q1, k0, k1, acc_dtype)
+            dv[..., k0:k1, :] += ((p * drop).transpose(-1, -2) @ doc).sum(dim=2, keepdim=True)
             dp = doc @ vc.transpose(-1, -2)
-            ds = p * (dp - delta[..., None])
+            ds = p * (dp * drop - delta[..., None])
             if tanh is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
                 ds = ds * (1 - tanh * tanh)
             dq[..., q0:q1, :] += (ds @ kc) * softmax_scale
@@ -215,8 +252,14 @@ def _sequence_slopes(alibi_slopes, b):
     return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
 
 
+def _varlen_rng_rows(q, cu_seqlens_k, q0):
+    # Packed LSE rows: head * total_q + token; columns: the longest key sequence.
+    lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    return (0, q.shape[0], q0, int(lens.max()) if lens.numel() else 0)
+
+
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
-                             softcap=0.0, alibi_slopes=None):
+                             softcap=0.0, alibi_slopes=None, dropout=None):
     """Packed ``(total, nheads, d)`` forward; LSE ``(nheads, total_q)``."""
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_compute_dtype(q.dtype), device=q.device)
@@ -224,14 +267,15 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
         if q1 == q0:
             continue
         o, l = attention_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left,
-                                 window_right, softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b))
+                                 window_right, softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b),
+                                 dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0))
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
-                              window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None):
+                              window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, dropout=None):
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
@@ -243,6 +287,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             lse[None, :, q0:q1], softmax_scale, window_left, window_right,
             dlse=None if dlse is None else dlse[None, :, q0:q1],
             softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b),
+            dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0),
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv

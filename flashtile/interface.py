@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.dropout import next_seed_offset
 from flashtile.ops import attention as _ops
 from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens
 
@@ -27,7 +28,10 @@ def flash_attn_func(
         q: ``(batch, seqlen_q, nheads, headdim)``, float16 / bfloat16 (float32 accepted).
         k, v: ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (GQA/MQA:
             query head ``h`` reads kv head ``h // (nheads // nheads_k)``), no copy made.
-        dropout_p: dropout on the attention probabilities (not implemented yet: must be 0).
+        dropout_p: dropout on the attention probabilities: each is kept with probability
+            ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; the mask comes from a
+            counter-based RNG seeded by torch's generator (``torch.manual_seed`` reproduces a
+            run) and is regenerated, never stored, in the backward (``flashtile.dropout``).
         softmax_scale: score scale, default ``headdim ** -0.5``.
         causal: mask keys after the query, aligned to the bottom right when
             ``seqlen_q != seqlen_k`` (query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``).
@@ -60,9 +64,12 @@ def flash_attn_func(
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    seed, offset = 0, 0
+    if params.dropout_p > 0:
+        seed, offset = next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1])
     out, lse = _ops.attention_forward(
         q, k, v, params.softmax_scale, params.window_left, params.window_right, params.softcap,
-        alibi_slopes, params.deterministic,
+        alibi_slopes, params.dropout_p, seed, offset, params.deterministic,
     )
     return (out, lse) if return_lse else out
 
@@ -116,8 +123,12 @@ def flash_attn_varlen_func(
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    seed, offset = 0, 0
+    if params.dropout_p > 0:
+        seed, offset = next_seed_offset(q.device, q.shape[1] * q.shape[0] * max_seqlen_k)
     out, lse = _ops.varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params.softmax_scale,
-        params.window_left, params.window_right, params.softcap, alibi_slopes, params.deterministic,
+        params.window_left, params.window_right, params.softcap, alibi_slopes, params.dropout_p, seed, offset,
+        params.deterministic,
     )
     return (out, lse) if return_lse else out

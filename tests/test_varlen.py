@@ -111,7 +111,7 @@ def test_opcheck_varlen_ops():
     v = torch.randn(11, 1, 16, requires_grad=True)
     cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 8, 11], dtype=torch.int32)
-    args = (q, k, v, cu_q, cu_k, 5, 6, 0.25, -1, 0, 0.0, None, False)
+    args = (q, k, v, cu_q, cu_k, 5, 6, 0.25, -1, 0, 0.0, None, 0.0, 0, 0, False)
     torch.library.opcheck(torch.ops.flashtile.varlen_attention_forward, args)
 
 

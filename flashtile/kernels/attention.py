@@ -108,14 +108,27 @@ def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
+def _dropout_scale(seed, rng_offset, rows, cols, rng_cols, dropout_p):
+    """1 / (1 - p) where a probability is kept, 0 where dropped: ``flashtile.dropout.keep_mask``.
+
+    Counter-based (Philox): the same (seed, offset, row, col) gives the same decision in the
+    forward and the backward, so the mask itself is never stored.
+    """
+    counters = rng_offset + rows.to(tl.int64) * rng_cols + cols
+    keep = tl.rand(seed, counters) >= dropout_p
+    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
 def _recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                 softcap_scale, softcap_log2, slope_log2,
+                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_row, rng_cols,
                  MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """The backward's P = exp2(score - LSE) for a tile in either orientation, and tanh.
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """The backward's P = exp2(score - LSE) for a tile in either orientation, tanh, and the
+    dropout factor (kept: 1 / (1 - p), dropped: 0; 1 without dropout).
 
     ``q_idx``, ``k_idx`` and ``lse2`` (the LSE in log2 units, +inf for empty rows) are shaped
-    to broadcast to ``qk`` (see ``band_mask``).
+    to broadcast to ``qk`` (see ``band_mask``); ``rng_row`` is the query rows' LSE row base.
     """
     if HAS_SOFTCAP or HAS_ALIBI:
         s, tanh = _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
@@ -127,7 +140,11 @@ def _recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_le
     if MASKED:
         visible = band_mask(q_idx, k_idx, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
         p = tl.where(visible, p, 0.0)
-    return p, tanh
+    if HAS_DROPOUT:
+        drop = _dropout_scale(seed, rng_offset, rng_row + q_idx, k_idx, rng_cols, dropout_p)
+    else:
+        drop = 1.0
+    return p, tanh, drop
 
 
 @triton.jit
@@ -147,9 +164,10 @@ def _softcap_grad(ds, tanh, HAS_SOFTCAP: tl.constexpr):
 def _fwd_tiles(
     acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+    dropout_p, seed, rng_offset, rng_row, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -179,7 +197,9 @@ def _fwd_tiles(
         # feeding the hardware's native exp2.
         p = tl.math.exp2(qk * s_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped entries too
+        if HAS_DROPOUT:
+            p = p * _dropout_scale(seed, rng_offset, rng_row + offs_m[:, None], offs_n[None, :], rng_cols, dropout_p)
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -191,10 +211,10 @@ def _fwd_tiles(
 def _attn_fwd(
     Q_desc, K_desc, V_desc, O_desc, LSE, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
-    softcap_scale, softcap_log2,
+    softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
@@ -212,6 +232,7 @@ def _attn_fwd(
         O_desc = _packed_desc(O_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
         b = 0  # from here on b is only the descriptors' first coordinate
 
+    lse_row = (bh // nheads).to(tl.int64) * stride_lb + h * stride_lh + q_start  # also the dropout RNG's row
     q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -223,18 +244,21 @@ def _attn_fwd(
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, lo, full_lo,
                                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                    softcap_scale, softcap_log2, slope_log2,
+                                   dropout_p, seed, rng_offset, lse_row, rng_cols,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                   HAS_SOFTCAP, HAS_ALIBI, WARP_SPECIALIZE, DOT_PRECISION)
+                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
+                               dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, WARP_SPECIALIZE, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_hi, hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
+                               dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, WARP_SPECIALIZE, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
 
     # Deferred normalisation: one reciprocal per row.  A row with no visible key has
     # l = 0: its output is 0 and its LSE -inf, never NaN.
@@ -242,7 +266,6 @@ def _attn_fwd(
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    lse_row = (bh // nheads).to(tl.int64) * stride_lb + h * stride_lh + q_start
     tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < seqlen_q)
     out = (acc * inv_l[:, None]).to(O_desc.dtype)
     O_desc.store([b, m0, h, 0], out.reshape([1, BLOCK_M, 1, HEAD_DIM]))
@@ -273,7 +296,8 @@ def _bwd_preprocess(
                 mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :],
                  mask=mask, other=0.0).to(tl.float32)
-    row = b.to(tl.int64) * stride_lb + h * stride_lh + q_start + offs_m
+    row_base = b.to(tl.int64) * stride_lb + h * stride_lh + q_start  # LSE / D / dropout-RNG row
+    row = row_base + offs_m
     delta = tl.sum(o * do, axis=1)
     if HAS_DLSE:
         # d lse_i / d s_ij = P_ij: a gradient on the LSE only shifts D_i.
@@ -287,11 +311,12 @@ def _bwd_preprocess(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, bh, n0, start, end,
+    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, row_base, n0, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+    dropout_p, seed, rng_offset, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
     """Accumulate one query run's contribution to dK, dV of the resident key tile.
@@ -303,7 +328,6 @@ def _dkdv_tiles(
     operand, which stays in shared memory, and transposes P and dS instead.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    row_base = bh  # offset of this head's LSE / D rows, computed by the caller
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
@@ -313,21 +337,23 @@ def _dkdv_tiles(
         do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         if KV_AS_B:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k, qk_scale,
-                                   window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-                                   MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+            p, tanh, drop = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+                                         qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                                         dropout_p, seed, rng_offset, row_base, rng_cols,
+                                         MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dv = tl.dot(tl.trans((p * drop).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = _softcap_grad(p * (dp - delta[:, None]), tanh, HAS_SOFTCAP)
+            ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
         else:
             qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            pT, tanhT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
-                                     qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-                                     MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            pT, tanhT, dropT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
+                                            qk_scale, window_left, window_right, softcap_scale, softcap_log2,
+                                            slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
+                                            MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dsT = _softcap_grad(pT * (dpT - delta[None, :]), tanhT, HAS_SOFTCAP)
+            dsT = _softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
             dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -337,10 +363,10 @@ def _attn_bwd_dkdv(
     Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, LSE2, Delta, ALIBI, stride_ab,
     CU_Q, CU_K, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale, window_left, window_right,
-    softcap_scale, softcap_log2,
+    softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
     pid_n, bhk = _tile_and_head(max_seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
@@ -374,20 +400,20 @@ def _attn_bwd_dkdv(
         if MASK_RIGHT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, lo, full_lo,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 softcap_scale, softcap_log2, slope_log2,
+                                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_lo, full_hi,
                              seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                             softcap_scale, softcap_log2, slope_log2,
+                             softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                              BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
         if MASK_LEFT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_hi, hi,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 softcap_scale, softcap_log2, slope_log2,
+                                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                 HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, KV_AS_B)
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
     DV_desc.store([b, n0, hk, 0], dv.to(DV_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
     dk = dk * softmax_scale
     DK_desc.store([b, n0, hk, 0], dk.to(DK_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
@@ -397,9 +423,10 @@ def _attn_bwd_dkdv(
 def _dq_tiles(
     dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+    dropout_p, seed, rng_offset, rng_row, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in range(start, end, BLOCK_N):
@@ -407,11 +434,12 @@ def _dq_tiles(
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k, qk_scale,
-                               window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-                               MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        p, tanh, drop = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+                                     qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                                     dropout_p, seed, rng_offset, rng_row, rng_cols,
+                                     MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = _softcap_grad(p * (dp - delta[:, None]), tanh, HAS_SOFTCAP)
+        ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -420,10 +448,10 @@ def _dq_tiles(
 def _attn_bwd_dq(
     Q_desc, K_desc, V_desc, DO_desc, DQ_desc, LSE2, Delta, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, softmax_scale, window_left, window_right,
-    softcap_scale, softcap_log2,
+    softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
@@ -433,7 +461,8 @@ def _attn_bwd_dq(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
     q_start, seqlen_q, k_start, seqlen_k = _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
-    row = b.to(tl.int64) * stride_lb + h * stride_lh + q_start + offs_m
+    row_base = b.to(tl.int64) * stride_lb + h * stride_lh + q_start  # LSE / D / dropout-RNG row
+    row = row_base + offs_m
     if VARLEN:
         if m0 >= seqlen_q:
             return
@@ -453,19 +482,19 @@ def _attn_bwd_dq(
     if MASK_LEFT:
         dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, lo, full_lo,
                        seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                       softcap_scale, softcap_log2, slope_log2,
+                       softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
                        BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                       HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                   softcap_scale, softcap_log2, slope_log2,
+                   softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
                    BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                   HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_hi, hi,
                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                   softcap_scale, softcap_log2, slope_log2,
+                   softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                   HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dq = dq * softmax_scale
     DQ_desc.store([b, m0, h, 0], dq.to(DQ_desc.dtype).reshape([1, BLOCK_M, 1, HEAD_DIM]))
 
@@ -559,6 +588,12 @@ def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_C
 # --------------------------------------------------------------------------------------
 
 
+def _dropout_args(dropout: tuple | None) -> dict:
+    """``dropout = (p, seed, offset)`` or None -> kernel arguments (see ``_dropout_scale``)."""
+    p, seed, offset = dropout if dropout is not None else (0.0, 0, 0)
+    return dict(HAS_DROPOUT=p > 0, dropout_p=float(p), seed=int(seed), rng_offset=int(offset))
+
+
 def _score_mod_args(softmax_scale: float, softcap: float, alibi_slopes, placeholder: torch.Tensor) -> dict:
     """Kernel arguments for the optional softcap and ALiBi (see ``_score_mod``)."""
     has_alibi = alibi_slopes is not None
@@ -589,12 +624,14 @@ class _Layout:
             self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
             self.lse_shape = (self.nheads, q.shape[0])
             self.lse_strides = (0, q.shape[0])  # (batch, head): packed rows are already offset
+            self.rng_cols = max_seqlen_k  # dropout counters: row * rng_cols + key
         else:
             self.batch, self.seqlen_q = q.shape[0], q.shape[1]
             self.seqlen_k = k.shape[1]
             self.cu_q = self.cu_k = None
             self.lse_shape = (self.batch, self.nheads, self.seqlen_q)
             self.lse_strides = (self.nheads * self.seqlen_q, self.seqlen_q)
+            self.rng_cols = self.seqlen_k
 
     def prepare(self, t):
         # Packed descriptors assume a contiguous (total, heads, d) tensor.
@@ -615,7 +652,7 @@ def _unpad(x, d):
     return x[..., :d].contiguous() if x.shape[-1] != d else x
 
 
-def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes):
+def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes, dropout):
     d = q.shape[-1]
     hd = _padded_headdim(d)
     cfg = config or _fwd_config(hd, q.dtype, window_right >= 0)
@@ -624,15 +661,18 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+    drop = _dropout_args(dropout)
     _attn_fwd[grid](
         layout.tiles(q_, cfg.block_m, hd), layout.tiles(k_, cfg.block_n, hd), layout.tiles(v_, cfg.block_n, hd),
         layout.tiles(out_, cfg.block_m, hd), lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
         layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
         q_.shape[-1], softmax_scale * LOG2E, window_left, window_right,
-        mods["softcap_scale"], mods["softcap_log2"],
+        mods["softcap_scale"], mods["softcap_log2"], drop["dropout_p"], drop["seed"], drop["rng_offset"],
+        layout.rng_cols,
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], VARLEN=layout.varlen,
+        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"],
+        VARLEN=layout.varlen,
         WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -640,7 +680,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
 
 
 def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-              softcap, alibi_slopes):
+              softcap, alibi_slopes, dropout):
     d = q.shape[-1]
     hd = _padded_headdim(d)
     cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype, window_right >= 0)
@@ -664,9 +704,11 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
     dv_ = torch.empty(v_.shape, dtype=v.dtype, device=v.device)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+    drop = _dropout_args(dropout)
     common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
                   DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd, VARLEN=layout.varlen,
-                  HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"])
+                  HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"])
+    rng = (drop["dropout_p"], drop["seed"], drop["rng_offset"], layout.rng_cols)
     group = nheads // nheads_k
     tiles = layout.tiles
     _attn_bwd_dkdv[(triton.cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
@@ -675,7 +717,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
         layout.seqlen_q, layout.seqlen_k, layout.seqlen_k, nheads_k, group, q_.shape[-1],
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
-        mods["softcap_scale"], mods["softcap_log2"],
+        mods["softcap_scale"], mods["softcap_log2"], *rng,
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
@@ -685,7 +727,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
         layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, nheads, group, q_.shape[-1],
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
-        mods["softcap_scale"], mods["softcap_log2"],
+        mods["softcap_scale"], mods["softcap_log2"], *rng,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
         num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
@@ -699,36 +741,41 @@ def _ensure_allocator():
 
 
 def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, config=None, softcap=0.0,
-                      alibi_slopes=None):
-    """Forward. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out like q, lse ``(b, h, nq)`` fp32)."""
-    return _forward(_Layout(q, k), q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes)
+                      alibi_slopes=None, dropout=None):
+    """Forward. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out like q, lse ``(b, h, nq)`` fp32).
+
+    ``dropout``: ``(p, seed, offset)`` or None (see ``flashtile.dropout``)."""
+    return _forward(_Layout(q, k), q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
+                    dropout)
 
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, window_right=-1,
-                       deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None):
+                       deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None, dropout=None):
     """Backward: preprocess, dK/dV and dQ kernels.  Bitwise deterministic whatever ``deterministic`` says."""
     return _backward(_Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
-                     configs, softcap, alibi_slopes)
+                     configs, softcap, alibi_slopes, dropout)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
-                             softcap=0.0, alibi_slopes=None, max_seqlen_q=None, max_seqlen_k=None, config=None):
+                             softcap=0.0, alibi_slopes=None, max_seqlen_q=None, max_seqlen_k=None, config=None,
+                             dropout=None):
     """Packed forward: q ``(total_q, h, d)``, k/v ``(total_k, hk, d)`` -> (out, lse ``(h, total_q)``).
 
     One launch for the whole batch; ``max_seqlen_*`` size the grid (computed with a host sync
     when not given)."""
     _ensure_allocator()
     layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes)
+    return _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
+                    dropout)
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
                               window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, max_seqlen_q=None,
-                              max_seqlen_k=None, configs=None):
+                              max_seqlen_k=None, configs=None, dropout=None):
     _ensure_allocator()
     layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-                     softcap, alibi_slopes)
+                     softcap, alibi_slopes, dropout)
 
 
 def _max_seqlens(cu_q, cu_k, max_q, max_k):

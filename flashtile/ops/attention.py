@@ -32,17 +32,25 @@ def attention_forward(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    seed: int,
+    offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` only matters to the backward; the forward takes it so that autograd
     # can save it with the inputs.
     return _backend(q).attention_forward(
-        q, k, v, softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes
+        q, k, v, softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout=_dropout(dropout_p, seed, offset),
     )
 
 
+def _dropout(dropout_p, seed, offset):
+    return (dropout_p, seed, offset) if dropout_p > 0 else None
+
+
 @attention_forward.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic):
+def _(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     # float32 LSE, except for float64 inputs, which the CPU path keeps in float64 (oracle use).
@@ -65,17 +73,21 @@ def attention_backward(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    seed: int,
+    offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Both backends are deterministic (no atomics), so ``deterministic`` needs no branch.
     return _backend(q).attention_backward(
         dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse,
+        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset),
     )
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed,
+      offset, deterministic):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -84,12 +96,13 @@ def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
+    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
+    ctx.rng = (dropout_p, seed, offset)  # the backward regenerates the same dropout mask
     ctx.deterministic = deterministic
 
 
@@ -99,9 +112,9 @@ def _backward(ctx, dout, dlse):
     # into the backward's per-row term D_i, so it costs nothing when absent.
     dq, dk, dv = attention_backward(
         dout.contiguous(), q, k, v, out, lse, dlse, ctx.softmax_scale, *ctx.window, ctx.softcap,
-        alibi_slopes, ctx.deterministic,
+        alibi_slopes, *ctx.rng, ctx.deterministic,
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -130,18 +143,21 @@ def varlen_attention_forward(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    seed: int,
+    offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k) if q.is_cuda else {}
     return _varlen_backend(q).varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, **kw,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, seed, offset), **kw,
     )
 
 
 @varlen_attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-      softcap, alibi_slopes, deterministic):
+      softcap, alibi_slopes, dropout_p, seed, offset, deterministic):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype))
@@ -165,37 +181,40 @@ def varlen_attention_backward(
     window_right: int,
     softcap: float,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_p: float,
+    seed: int,
+    offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k) if q.is_cuda else {}
     return _varlen_backend(q).varlen_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, **kw,
+        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset), **kw,
     )
 
 
 @varlen_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      window_left, window_right, softcap, alibi_slopes, deterministic):
+      window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset, deterministic):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-     deterministic) = inputs
+     dropout_p, seed, offset, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
-    ctx.args = (max_q, max_k, softmax_scale, window_left, window_right, softcap, deterministic)
+    ctx.args = (max_q, max_k, softmax_scale, window_left, window_right, softcap)
+    ctx.rng = (dropout_p, seed, offset)
+    ctx.deterministic = deterministic
 
 
 def _varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
-    max_q, max_k, softmax_scale, window_left, window_right, softcap, deterministic = ctx.args
     dq, dk, dv = varlen_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left,
-        window_right, softcap, alibi_slopes, deterministic,
+        dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.args, alibi_slopes, *ctx.rng, ctx.deterministic,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 13
 
 
 varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

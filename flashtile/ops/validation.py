@@ -157,8 +157,6 @@ def check_attention_inputs(
 
     if alibi_slopes is not None:
         check_alibi_slopes(alibi_slopes, batch=packed_batch if packed else q.shape[0], nheads=nheads, device=q.device)
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet; pass dropout_p=0.0")
 
     return AttentionParams(
         softmax_scale=softmax_scale,

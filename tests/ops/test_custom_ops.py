@@ -20,7 +20,7 @@ BWD = torch.ops.flashtile.attention_backward.default
 def _fwd_args(seqlen_q, seqlen_k, window, requires_grad, dtype=torch.float32, nheads=4, nheads_k=2,
               softcap=0.0, alibi_slopes=None):
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 16, dtype, requires_grad=requires_grad, seed=3)
-    return (q, k, v, 0.3, window[0], window[1], softcap, alibi_slopes, False)
+    return (q, k, v, 0.3, window[0], window[1], softcap, alibi_slopes, 0.0, 0, 0, False)
 
 
 FWD_CASES = [
@@ -45,11 +45,11 @@ def test_opcheck_attention_forward_low_precision(dtype):
 
 
 def _bwd_args(seqlen_q, seqlen_k, window, with_dlse):
-    q, k, v, scale, left, right, softcap, slopes, det = _fwd_args(seqlen_q, seqlen_k, window, requires_grad=False)
-    out, lse = FWD(q, k, v, scale, left, right, softcap, slopes, det)
+    q, k, v, scale, left, right, softcap, slopes, p, seed, offset, det = _fwd_args(seqlen_q, seqlen_k, window, False)
+    out, lse = FWD(q, k, v, scale, left, right, softcap, slopes, p, seed, offset, det)
     dout = random_like(out, seed=5)
     dlse = random_like(lse, seed=6) if with_dlse else None
-    return (dout, q, k, v, out, lse, dlse, scale, left, right, softcap, slopes, det)
+    return (dout, q, k, v, out, lse, dlse, scale, left, right, softcap, slopes, p, seed, offset, det)
 
 
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["dlse_none", "dlse"])
@@ -64,21 +64,23 @@ def test_opcheck_attention_backward(seqlens, window, with_dlse):
 
 def test_backward_op_matches_reference():
     # The op reached through torch.ops gives the oracle's gradients (dlse included).
-    dout, q, k, v, out, lse, dlse, scale, left, right, softcap, slopes, det = _bwd_args(13, 6, (-1, 0), True)
-    dq, dk, dv = BWD(dout, q, k, v, out, lse, dlse, scale, left, right, softcap, slopes, det)
+    dout, q, k, v, out, lse, dlse, scale, left, right, softcap, slopes, p, seed, offset, det = _bwd_args(
+        13, 6, (-1, 0), True)
+    dq, dk, dv = BWD(dout, q, k, v, out, lse, dlse, scale, left, right, softcap, slopes, p, seed, offset, det)
     ref = reference_attention_grads(q, k, v, dout, dlse, softmax_scale=scale, causal=True)
     for a, b in zip((dq, dk, dv), ref[2:]):
         torch.testing.assert_close(a.double(), b, atol=3e-5, rtol=3e-5)
 
 
 def test_fake_outputs_match_real():
-    q, k, v, scale, left, right, softcap, slopes, det = _fwd_args(7, 12, (-1, 0), False, dtype=torch.bfloat16)
-    real = FWD(q, k, v, scale, left, right, softcap, slopes, det)
+    q, k, v, scale, left, right, softcap, slopes, p, seed, offset, det = _fwd_args(7, 12, (-1, 0), False,
+                                                                                   dtype=torch.bfloat16)
+    real = FWD(q, k, v, scale, left, right, softcap, slopes, p, seed, offset, det)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        fake = FWD(fq, fk, fv, scale, left, right, softcap, slopes, det)
+        fake = FWD(fq, fk, fv, scale, left, right, softcap, slopes, p, seed, offset, det)
     for r, f in zip(real, fake):
         assert r.shape == f.shape and r.dtype == f.dtype and r.stride() == f.stride()
     assert real[1].dtype == torch.float32
@@ -139,6 +141,12 @@ def test_torch_compile_no_graph_break_explain():
 def test_opcheck_attention_forward_softcap_alibi():
     args = _fwd_args(9, 13, (-1, 0), True, softcap=2.0, alibi_slopes=torch.tensor([0.1, 0.2, 0.3, 0.4]))
     torch.library.opcheck(torch.ops.flashtile.attention_forward, args)
+
+
+def test_opcheck_attention_forward_dropout():
+    q, k, v, scale, left, right, softcap, slopes, _, _, _, det = _fwd_args(9, 13, (-1, 0), True)
+    torch.library.opcheck(torch.ops.flashtile.attention_forward, (q, k, v, scale, left, right, softcap, slopes,
+                                                                 0.2, 1234, 16, det))
 
 
 def test_opcheck_attention_forward_float64():

@@ -1,0 +1,109 @@
+"""Attention dropout from a counter-based RNG: the mask is a pure function of (seed, offset, position).
+
+Neither pass stores the ``seqlen_q x seqlen_k`` mask.  The forward draws each probability's
+keep/drop decision from Philox-4x32-10 at counter ``offset + row * seqlen_k + col`` (``row``
+is the query's row in the LSE, ``(batch * nheads + head) * seqlen_q + i`` for dense inputs,
+``head * total_q + token`` for packed ones; ``seqlen_k`` is the longest key sequence for
+packed ones) and the backward draws the same numbers again.  The Triton kernels use
+``tl.rand``; :func:`philox_uniform` is the same generator written with torch integer ops,
+bit-for-bit equal, so the CPU path and the tests see the very same mask.
+
+``(seed, offset)`` come from torch's generator of the device (``torch.manual_seed`` makes a
+run reproducible), and the offset advances by the number of counters used, as PyTorch's
+own CUDA dropout does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_A, _PHILOX_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of the 64-bit product a * b, for a constant a and uint32 values b.
+
+    int64 cannot hold the full product, so b is split into 16-bit halves (each partial
+    product fits in 48 bits).
+    """
+    lo16, hi16 = b & 0xFFFF, b >> 16
+    t = a * lo16
+    u = a * hi16
+    high = (u + (t >> 16)) >> 16
+    low = (((u & 0xFFFF) << 16) + t) & _MASK32
+    return high, low
+
+
+def philox_uniform(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) for each int64 counter, identical to ``tl.rand(seed, counters)``."""
+    c = counters.to(torch.int64)
+    c0, c1 = c & _MASK32, (c >> 32) & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi_b, lo_b = _mul32(_PHILOX_B, c2)
+        hi_a, lo_a = _mul32(_PHILOX_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    # Triton's uint -> float: reinterpret as int32, fold negatives, scale by ~2^-31.
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)
+    x = torch.where(x < 0, -x - 1, x).to(torch.int32)
+    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+
+
+def keep_mask(seed: int, offset: int, rows: torch.Tensor, cols: torch.Tensor, row_length: int, dropout_p: float):
+    """Boolean keep-mask (probability ``1 - dropout_p``) at broadcast ``rows`` x ``cols``."""
+    counters = offset + rows.to(torch.int64) * row_length + cols.to(torch.int64)
+    return philox_uniform(seed, counters) >= dropout_p
+
+
+_captures: list[list] = []
+
+
+class capture:
+    """Test hook: records the ``(seed, offset)`` of every dropout call made inside the block.
+
+    >>> with flashtile.dropout.capture() as calls:
+    ...     out = flashtile.flash_attn_func(q, k, v, dropout_p=0.1)
+    >>> seed, offset = calls[0]
+    >>> mask = flashtile.dropout.dropout_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, 0.1)
+    """
+
+    def __enter__(self):
+        self.calls = []
+        _captures.append(self.calls)
+        return self.calls
+
+    def __exit__(self, *exc):
+        _captures.remove(self.calls)
+        return False
+
+
+def next_seed_offset(device: torch.device, counters: int) -> tuple[int, int]:
+    """Draw ``(seed, offset)`` for one call from the device's torch generator and advance it."""
+    seed, offset = _draw(device, counters)
+    for calls in _captures:
+        calls.append((seed, offset))
+    return seed, offset
+
+
+def _draw(device: torch.device, counters: int) -> tuple[int, int]:
+    if device.type == "cuda":
+        gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        seed, offset = gen.initial_seed(), gen.get_offset()
+        # Philox yields 4 numbers per counter in torch's own kernels; advance in those units.
+        gen.set_offset(offset + (counters + 3) // 4 * 4)
+        return int(seed), int(offset)
+    # The CPU generator (Mersenne Twister) has no offset: draw a fresh seed instead.
+    return int(torch.randint(0, 2**62, (1,)).item()), 0
+
+
+def dropout_mask(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+                 device=None) -> torch.Tensor:
+    """The realised keep-mask ``(batch, nheads, seqlen_q, seqlen_k)`` of a dense call (tests only)."""
+    rows = torch.arange(batch * nheads * seqlen_q, device=device).reshape(batch, nheads, seqlen_q, 1)
+    cols = torch.arange(seqlen_k, device=device)
+    return keep_mask(seed, offset, rows, cols, seqlen_k, dropout_p)
