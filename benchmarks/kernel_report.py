@@ -27,7 +27,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32",
           "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32",
-          "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32", "headdim": "i32"}
+          "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32", "headdim": "i32",
+          "dropout_p": "fp32", "seed": "i64", "rng_offset": "i64", "rng_cols": "i32"}
 VARLEN = False
 
 
@@ -37,9 +38,11 @@ def _desc(rows: int, hd: int, dtype: str) -> str:
 
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
-                   kv_as_b: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False):
+                   kv_as_b: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
+                   dropout: bool = False):
     masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
-             "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN}
+             "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN,
+             "HAS_DROPOUT": dropout}
     if kind == "fwd":
         fn = ka._attn_fwd
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
@@ -93,15 +96,17 @@ def main():
     ap.add_argument("--softcap", type=int, nargs="+", default=[0])
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")
+    ap.add_argument("--dropout", action="store_true")
     args = ap.parse_args()
     global VARLEN
     VARLEN = args.varlen
     for tiles, hd, causal, kvb, sc, al in itertools.product(args.tiles, args.headdim, args.causal, args.kv_as_b,
                                                            args.softcap, args.alibi):
         bm, bn, w, s = map(int, tiles.split(","))
-        k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al))
+        k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al),
+                           dropout=args.dropout)
         print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb} "
-              f"softcap={sc} alibi={al} varlen={int(VARLEN)}: {report(k)}", flush=True)
+              f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)}: {report(k)}", flush=True)
 
 
 if __name__ == "__main__":
