@@ -1,6 +1,8 @@
 """flashtile: IO-aware exact attention and softmax kernels (Triton on GPU, PyTorch on CPU)."""
 
 from flashtile.interface import flash_attn_func, flash_attn_varlen_func
+from flashtile.kvcache import flash_attn_with_kvcache
+from flashtile.merging import merge_attention_states
 from flashtile.padding import pad_input, unpad_input
 from flashtile.ops.softmax import log_softmax, softmax
 
@@ -9,6 +11,8 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "merge_attention_states",
     "unpad_input",
     "pad_input",
     "softmax",

@@ -1,0 +1,166 @@
+"""Split-KV decoding: a few query rows against a long KV cache (flash-decoding).
+
+Decoding reads the whole cache for a handful of query rows, so it is memory-bound, and one
+program per (batch, head) would leave most SMs idle at small batch.  The cache is therefore
+cut into ``num_splits`` chunks of whole key tiles; each program handles one chunk for one
+(batch, kv head) and *all* query rows of that head's GQA group (``group * seqlen_q`` rows in
+one tile, so each K/V tile is read once for the group), and writes a partial output and
+LSE.  The partials are merged with the online-softmax rule (``flashtile.merging``).
+
+The cache is contiguous ``(batch_cache, seqlen_cache, nheads_k, d)`` (rows of sequence b at
+``cache_batch_idx[b]``) or paged ``(num_blocks, page_size, nheads_k, d)`` with
+``block_table[b, j // page_size]`` holding key ``j`` -- any page size: each key row's
+address is computed on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.kernels.attention import LOG2E, _dot_precision, _padded_headdim, _score_mod_args, _score_mod
+from flashtile.kernels.masking import band_mask
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_kb, stride_kn, PAGED: tl.constexpr,
+                PAGE_SIZE: tl.constexpr):
+    """Row offsets of ``keys`` in the cache (int64): contiguous or through the block table."""
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + b * stride_bt + keys // PAGE_SIZE)
+        return page.to(tl.int64) * stride_kb + (keys % PAGE_SIZE).to(tl.int64) * stride_kn
+    return cache_b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_kn
+
+
+@triton.jit
+def _decode_split(
+    Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI, stride_ab,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    seqlen_q, nheads_k, group, headdim, chunk, num_splits,
+    qk_scale, window_left, window_right, softcap_scale, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // nheads_k
+    hk = pid % nheads_k
+    seqlen_k = tl.load(SEQLENS_K + b)
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(CACHE_BATCH_IDX + b)
+    else:
+        cache_b = b
+
+    # Rows of the tile: every query position of every head of the group.
+    rows = tl.arange(0, BLOCK_M)
+    i = rows % seqlen_q  # query position
+    h = hk * group + rows // seqlen_q  # query head
+    row_ok = rows < group * seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + i[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < headdim), other=0.0)
+    if HAS_ALIBI:
+        slope_log2 = tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0)[:, None] * 1.4426950408889634
+    else:
+        slope_log2 = 0.0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen_k)
+    for n0 in range(start, end, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < seqlen_k
+        k_rows = _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_kb, stride_kn, PAGED, PAGE_SIZE)
+        v_rows = _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_vb, stride_vn, PAGED, PAGE_SIZE)
+        kv_mask = key_ok[:, None] & (offs_d[None, :] < headdim)
+        k = tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s, _ = _score_mod(qk, i[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                              softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        else:
+            s = qk * qk_scale
+        visible = band_mask(i[:, None], keys[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                            MASK_LEFT, MASK_RIGHT)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    # Partials: O_PART (splits, batch, seqlen_q, nheads, HEAD_DIM), LSE_PART (splits, batch, nheads, seqlen_q).
+    nheads = nheads_k * group
+    part = split * (tl.num_programs(0) // nheads_k) + b  # (split, batch) flattened
+    o_off = ((part.to(tl.int64) * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(O_PART + o_off, out, mask=row_ok[:, None])
+    tl.store(LSE_PART + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.device, block_n: int) -> int:
+    """Enough splits that batch * nheads_k * splits programs fill the GPU about twice, each
+    split keeping at least a few key tiles."""
+    sms = 1 if INTERPRET or device.type != "cuda" else _sm_count(device.index or 0)
+    want = -(-2 * sms // max(1, batch * nheads_k))
+    return max(1, min(want, 64, -(-capacity // (4 * block_n))))
+
+
+def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
+                    window_right, softcap, alibi_slopes, num_splits):
+    """Launch the split kernel; returns (o_part fp32 (S, b, nq, h, d_pad), lse_part (S, b, h, nq))."""
+    batch, seqlen_q, nheads, d = q.shape
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    hd = _padded_headdim(d)
+    block_m = max(16, triton.next_power_of_2(group * seqlen_q))
+    block_n = 16 if INTERPRET else (64 if hd <= 128 else 32)
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    if num_splits <= 0:
+        num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n)
+    chunk = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse_part)
+    placeholder = seqlens_k
+    _decode_split[(batch * nheads_k, num_splits)](
+        q, k_cache, v_cache, o_part, lse_part, seqlens_k,
+        cache_batch_idx if cache_batch_idx is not None else placeholder,
+        block_table if paged else placeholder, mods["alibi"], mods["stride_ab"],
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        seqlen_q, nheads_k, group, d, chunk, num_splits,
+        softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"], mods["softcap_log2"],
+        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
+        PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        # 8 warps: with 4, ptxas spilled (contiguous 172 B, paged 8.7 KB) for d = 128 (sm_90, offline).
+        num_warps=4 if INTERPRET else 8, num_stages=1 if INTERPRET else 3,
+    )
+    return o_part[..., :d], lse_part

@@ -1,0 +1,175 @@
+"""``flash_attn_with_kvcache``: decoding against a contiguous or paged KV cache (inference only).
+
+Semantics follow flash-attn (SEMANTICS.md, "KV cache"): ``cache_seqlens[b]`` keys of
+sequence ``b`` are valid; new ``k``, ``v`` (if given) are written in place at positions
+``cache_seqlens[b] ...``; then the ``seqlen_q`` query rows -- the *last* positions of the
+sequence -- attend to the first ``cache_seqlens[b] + seqlen_new`` keys, so ``causal`` and
+windows are bottom-right aligned against that updated length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile import cpu
+from flashtile.merging import merge_split_states
+from flashtile.ops.validation import _check_tensor, check_alibi_slopes, check_attention_inputs
+
+
+def _check_index(name, t, batch, device, rank=1):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32 (or int64) tensor, got {t.dtype}")
+    if t.dim() != rank or t.shape[0] != batch:
+        raise ValueError(f"{name} must have {rank} dimension(s) with batch ({batch}) first, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or (num_blocks, page_size, nheads_k, headdim)")
+    _check_tensor("v_cache", v_cache, 4, "like k_cache")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch = q.shape[0]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append) or both be None")
+    if k is not None:
+        _check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        _check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(
+                f"k and v must be (batch={batch}, seqlen_new, nheads_k={k_cache.shape[2]}, headdim={k_cache.shape[3]}), "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+    if block_table is not None:
+        _check_index("block_table", block_table, batch, q.device, rank=2)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
+    elif k_cache.shape[0] < batch and cache_batch_idx is None:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than batch ({batch}); pass cache_batch_idx")
+    if cache_batch_idx is not None:
+        _check_index("cache_batch_idx", cache_batch_idx, batch, q.device)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        _check_index("cache_seqlens", cache_seqlens, batch, q.device)
+
+
+def _physical_rows(positions, batch_rows, block_table, page_size):
+    """(cache index, row) of logical ``positions`` (batch, n) of each sequence."""
+    if block_table is None:
+        return batch_rows[:, None].expand_as(positions), positions
+    pages = torch.gather(block_table.long(), 1, positions // page_size)
+    return pages, positions % page_size
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table):
+    """Write new keys/values at positions cache_seqlens[b] ... in place (one scatter each)."""
+    positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)[None, :]
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    if k.device.type == "cpu" and positions.numel() and int(positions.max()) >= capacity:
+        raise ValueError(f"cache_seqlens + seqlen_new exceeds the cache capacity ({capacity} positions)")
+    idx, rows = _physical_rows(positions, batch_rows, block_table, page_size)
+    k_cache[idx, rows] = k.to(k_cache.dtype)
+    v_cache[idx, rows] = v.to(v_cache.dtype)
+
+
+def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes):
+    """Per sequence: gather its keys and run the tiled CPU path."""
+    batch, seqlen_q, nheads, d = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, n in enumerate(seqlens_k.tolist()):
+        positions = torch.arange(n, device=q.device)[None, :]
+        idx, rows = _physical_rows(positions, batch_rows[b:b + 1], None if block_table is None else block_table[b:b + 1],
+                                   k_cache.shape[1])
+        kb, vb = k_cache[idx[0], rows[0]][None], v_cache[idx[0], rows[0]][None]
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+        o, l = cpu.attention_forward(q[b:b + 1], kb, vb, scale, left, right, softcap=softcap, alibi_slopes=slopes)
+        out[b], lse[b] = o[0], l[0]
+    return out, lse
+
+
+def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
+                   alibi_slopes, num_splits):
+    from flashtile.kernels.decode import decode_partials
+
+    o_part, lse_part = decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left,
+                                       right, softcap, alibi_slopes, num_splits)
+    out, lse = merge_split_states(o_part, lse_part)
+    return out.to(q.dtype), lse
+
+
+@torch.no_grad()
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens=None,
+    cache_batch_idx: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+):
+    """Attention of a few new query rows against a KV cache, appending new keys/values first.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, d)``; seqlen_q is small (1 for decoding).
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, d)`` or, with ``block_table``,
+            paged ``(num_blocks, page_size, nheads_k, d)``.  Updated in place when k, v are given.
+        k, v: optional new ``(batch, seqlen_new, nheads_k, d)`` written at ``cache_seqlens[b] ...``.
+        cache_seqlens: int or int32 ``(batch,)`` valid lengths before the append (default: full).
+        cache_batch_idx: int32 ``(batch,)`` rows of a contiguous cache to use for each sequence.
+        block_table: int32 ``(batch, max_blocks)``; ``block_table[b, i]`` holds positions
+            ``i * page_size ... (i + 1) * page_size - 1`` of sequence b.
+        num_splits: split-KV chunks per (sequence, kv head) on a GPU; 0 picks from the shape
+            and the SM count.  The result does not depend on it beyond rounding.
+        Other arguments as in :func:`flashtile.flash_attn_func`.
+
+    Returns:
+        ``out`` like q, or ``(out, lse)`` with lse float32 ``(batch, nheads, seqlen_q)``.
+    """
+    _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    batch = q.shape[0]
+    # Shapes and scalar arguments through the common checks (k_cache stands in for k).
+    params = check_attention_inputs(q, k_cache[:1].expand(batch, *k_cache.shape[1:]),
+                                    v_cache[:1].expand(batch, *v_cache.shape[1:]),
+                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                    softcap=softcap, alibi_slopes=None)
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, batch, q.shape[2], q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+    paged = block_table is not None
+    full = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        cache_seqlens = full if k is None else 0
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    batch_rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=q.device)
+    if k is not None:
+        _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table)
+    seqlens_k = (cache_seqlens + (k.shape[1] if k is not None else 0)).to(torch.int32)
+    if q.device.type == "cpu" and int(seqlens_k.max()) > full:
+        raise ValueError(f"cache_seqlens (+ seqlen_new) exceeds the cache capacity ({full} positions)")
+
+    args = (params.softmax_scale, params.window_left, params.window_right, params.softcap, alibi_slopes)
+    if q.is_cuda:
+        cbi = cache_batch_idx.to(torch.int32) if cache_batch_idx is not None else None
+        bt = block_table.to(torch.int32) if paged else None
+        out, lse = _attend_triton(q, k_cache, v_cache, seqlens_k, cbi, bt, *args, num_splits)
+    else:
+        out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, *args)
+    return (out, lse) if return_lse else out

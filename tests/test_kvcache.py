@@ -1,0 +1,201 @@
+"""KV-cache decoding (contiguous and paged caches, appends, split-KV) and merge_attention_states."""
+
+import os
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import kvcache
+from helpers import reference_attention
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs a GPU or the interpreter")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _case(batch, seqlen_q, nheads, nheads_k, d, capacity, page_size=None, seed=0, dtype=torch.float32, device="cpu"):
+    g = _gen(seed)
+    q = torch.randn(batch, seqlen_q, nheads, d, generator=g)
+    if page_size is None:
+        kc = torch.randn(batch, capacity, nheads_k, d, generator=g)
+        vc = torch.randn(batch, capacity, nheads_k, d, generator=g)
+        table = None
+    else:
+        pages = -(-capacity // page_size)
+        kc = torch.randn(batch * pages + 3, page_size, nheads_k, d, generator=g)
+        vc = torch.randn(batch * pages + 3, page_size, nheads_k, d, generator=g)
+        table = torch.randperm(batch * pages + 3, generator=g)[: batch * pages].reshape(batch, pages).to(torch.int32)
+        table = table.to(device)
+    return q.to(device, dtype), kc.to(device, dtype), vc.to(device, dtype), table
+
+
+def _logical(cache, table, b, n):
+    """The first n logical keys of sequence b."""
+    if table is None:
+        return cache[b, :n]
+    return cache[table[b].long()].reshape(-1, *cache.shape[2:])[:n]
+
+
+def _check(out, lse, q, kc, vc, table, lengths, causal=False, window=(-1, -1), atol=2e-5, **kw):
+    for b, n in enumerate(lengths):
+        k, v = _logical(kc, table, b, n), _logical(vc, table, b, n)
+        slopes = kw.get("alibi_slopes")
+        ref_o, ref_l = reference_attention(q[b:b + 1], k[None], v[None], causal=causal, window_size=window,
+                                           softcap=kw.get("softcap", 0.0),
+                                           alibi_slopes=None if slopes is None else slopes)
+        torch.testing.assert_close(out[b:b + 1].double(), ref_o, atol=atol, rtol=1e-4)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_l, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16, 256])
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (4, True)])
+def test_cpu_path_matches_reference(page_size, seqlen_q, causal):
+    q, kc, vc, table = _case(3, seqlen_q, 8, 2, 32, 300, page_size)
+    lengths = [0, 1, 300] if seqlen_q == 1 else [4, 1, 299]
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, causal=causal,
+                                                 return_lse=True)
+    _check(out, lse, q, kc, vc, table, lengths, causal=causal)
+    if 0 in lengths:  # no key: output 0, LSE -inf
+        assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_append_lands_in_place_then_attends(page_size):
+    q, kc, vc, table = _case(3, 2, 4, 4, 16, 64, page_size, seed=1)
+    g = _gen(2)
+    knew, vnew = torch.randn(3, 2, 4, 16, generator=g), torch.randn(3, 2, 4, 16, generator=g)
+    seqlens = torch.tensor([0, 7, 62], dtype=torch.int32)
+    before_k = kc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, block_table=table,
+                                                 causal=True, return_lse=True)
+    for b, s in enumerate(seqlens.tolist()):
+        torch.testing.assert_close(_logical(kc, table, b, s + 2)[s:], knew[b], atol=0, rtol=0)
+        torch.testing.assert_close(_logical(vc, table, b, s + 2)[s:], vnew[b], atol=0, rtol=0)
+        # Nothing before the append point moved.
+        torch.testing.assert_close(_logical(kc, table, b, s), _logical(before_k, table, b, s), atol=0, rtol=0)
+    _check(out, lse, q, kc, vc, table, [s + 2 for s in seqlens.tolist()], causal=True)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gqa_and_cache_batch_idx(group):
+    q, kc, vc, _ = _case(2, 1, 8, 8 // group, 16, 40, seed=3)
+    kc = torch.cat([kc, kc.flip(0)])  # 4 cached sequences; use rows 3 and 0
+    vc = torch.cat([vc, vc.flip(0)])
+    idx = torch.tensor([3, 0], dtype=torch.int32)
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([40, 17], dtype=torch.int32),
+                                                 cache_batch_idx=idx, return_lse=True)
+    _check(out, lse, q, kc[idx.long()], vc[idx.long()], None, [40, 17])
+
+
+def test_window_softcap_alibi():
+    q, kc, vc, _ = _case(2, 3, 4, 2, 16, 50, seed=4)
+    slopes = torch.rand(2, 4, generator=_gen(5)) * 0.3
+    kw = dict(window_size=(5, 0), softcap=3.0, alibi_slopes=slopes)
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([50, 9], dtype=torch.int32),
+                                                 return_lse=True, **kw)
+    for b, n in enumerate([50, 9]):
+        ref_o, ref_l = reference_attention(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], window_size=(5, 0),
+                                           softcap=3.0, alibi_slopes=slopes[b])
+        torch.testing.assert_close(out[b:b + 1].double(), ref_o, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_l, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+@pytest.mark.parametrize("seqlen_q,group,nheads", [(1, 4, 8), (4, 1, 2), (2, 8, 8)])
+def test_split_kernel_matches_reference_for_any_num_splits(page_size, seqlen_q, group, nheads):
+    q, kc, vc, table = _case(3, seqlen_q, nheads, nheads // group, 32, 96, page_size, seed=6, device=DEVICE)
+    lengths = torch.tensor([0, 1, 96], dtype=torch.int32, device=DEVICE)
+    results = []
+    for splits in (1, 5, 32):
+        out, lse = kvcache._attend_triton(q, kc, vc, lengths, None, table, 32 ** -0.5, -1, 0, 0.0, None, splits)
+        results.append((out, lse))
+    _check(results[0][0], results[0][1], q, kc, vc, table, lengths.tolist(), causal=True)
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, results[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_split_kernel_softcap_alibi_window_and_batch_idx():
+    q, kc, vc, _ = _case(2, 2, 4, 2, 40, 64, seed=7, device=DEVICE)
+    slopes = (torch.rand(4, generator=_gen(8)) * 0.3).to(DEVICE)
+    idx = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    lengths = torch.tensor([64, 30], dtype=torch.int32, device=DEVICE)
+    out, lse = kvcache._attend_triton(q, kc, vc, lengths, idx, None, 0.2, 6, 1, 2.5, slopes, 3)
+    for b, n in enumerate(lengths.tolist()):
+        kb, vb = kc[idx[b].long(), :n], vc[idx[b].long(), :n]
+        ref_o, ref_l = reference_attention(q[b:b + 1], kb[None], vb[None], softmax_scale=0.2, window_size=(6, 1),
+                                           softcap=2.5, alibi_slopes=slopes)
+        torch.testing.assert_close(out[b:b + 1].double(), ref_o, atol=3e-5, rtol=1e-4)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_l, atol=3e-5, rtol=1e-4)
+
+
+def test_merge_is_exact_and_associative():
+    q, kc, vc, _ = _case(1, 5, 2, 2, 16, 60, seed=9)
+    full_o, full_l = reference_attention(q, kc, vc)
+    parts = [reference_attention(q, kc[:, a:b], vc[:, a:b]) for a, b in ((0, 10), (10, 35), (35, 60))]
+    parts = [(o.float(), l.float()) for o, l in parts]
+    left = flashtile.merge_attention_states(*flashtile.merge_attention_states(*parts[0], *parts[1]), *parts[2])
+    right = flashtile.merge_attention_states(*parts[0], *flashtile.merge_attention_states(*parts[1], *parts[2]))
+    for o, l in (left, right):
+        torch.testing.assert_close(o.double(), full_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(l.double(), full_l, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_with_empty_parts():
+    o = torch.randn(1, 3, 2, 8)
+    lse = torch.randn(1, 2, 3)
+    empty_o, empty_l = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
+    m_o, m_l = flashtile.merge_attention_states(o, lse, empty_o, empty_l)
+    torch.testing.assert_close(m_o, o)
+    torch.testing.assert_close(m_l, lse)
+    z_o, z_l = flashtile.merge_attention_states(empty_o, empty_l, empty_o, empty_l)
+    assert (z_o == 0).all() and (z_l == float("-inf")).all()
+
+
+def test_merge_validation():
+    o, lse = torch.randn(1, 3, 2, 8), torch.randn(1, 2, 3)
+    with pytest.raises(ValueError, match="lse"):
+        flashtile.merge_attention_states(o, lse.transpose(1, 2), o, lse.transpose(1, 2))
+    with pytest.raises(TypeError, match="out_b"):
+        flashtile.merge_attention_states(o, lse, None, lse)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(k=torch.randn(2, 1, 2, 16)), ValueError, "k and v"),
+        (dict(cache_seqlens=torch.tensor([1.0, 2.0])), ValueError, "cache_seqlens"),
+        (dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError, "cache_seqlens"),
+        (dict(cache_seqlens=torch.tensor([1, 99], dtype=torch.int32)), ValueError, "capacity"),
+        (dict(block_table=torch.zeros(2, 2)), ValueError, "block_table"),
+        (dict(num_splits=-1), ValueError, "num_splits"),
+        (dict(cache_batch_idx=[0, 1]), TypeError, "cache_batch_idx"),
+    ],
+)
+def test_validation(kwargs, exc, match):
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)
+    with pytest.raises(exc, match=match):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_decode_matches_reference(page_size, dtype):
+    q, kc, vc, table = _case(4, 1, 32, 4, 128, 4096, page_size, seed=10, dtype=dtype, device="cuda")
+    g = _gen(11)
+    knew = torch.randn(4, 1, 4, 128, generator=g).to("cuda", dtype)
+    vnew = torch.randn(4, 1, 4, 128, generator=g).to("cuda", dtype)
+    seqlens = torch.tensor([0, 1, 1000, 4095], dtype=torch.int32, device="cuda")
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, block_table=table,
+                                                 causal=True, return_lse=True)
+    _check(out, lse, q, kc, vc, table, [s + 1 for s in seqlens.tolist()], causal=True, atol=2e-2)
