@@ -87,6 +87,7 @@ def test_manual_seed_reproduces_and_calls_differ():
 def test_dropout_mean_is_unbiased():
     """E[dropout(P)] = P: averaging many draws approaches the dropout-free output."""
     q, k, v = random_qkv(1, 8, 64, 1, 1, 16, seed=6)
+    torch.manual_seed(0)  # the 400 masks; the bound holds with a wide margin for any seed
     plain = flashtile.flash_attn_func(q, k, v)
     mean = torch.stack([flashtile.flash_attn_func(q, k, v, dropout_p=0.2) for _ in range(400)]).mean(0)
     assert (mean - plain).abs().max().item() < 0.06
