@@ -4,6 +4,7 @@ from flashtile.interface import flash_attn_func, flash_attn_varlen_func
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.merging import merge_attention_states
 from flashtile.padding import pad_input, unpad_input
+from flashtile.sdpa import scaled_dot_product_attention
 from flashtile.ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "merge_attention_states",
+    "scaled_dot_product_attention",
     "unpad_input",
     "pad_input",
     "softmax",
