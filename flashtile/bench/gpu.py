@@ -140,6 +140,10 @@ def run_gpu_benchmark(
     """Run the benchmark, append records to ``out_dir/attention.jsonl`` and draw the plots."""
     from tqdm import tqdm
 
+    compare = [c.replace("-", "_") for c in compare]  # accept sdpa-flash as well as sdpa_flash
+    unknown = sorted(set(compare) - set(ALL_IMPLS))
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {', '.join(unknown)}; choose from {', '.join(ALL_IMPLS)}")
     impls = ["flashtile"] + [i for i in compare if i != "flashtile"]
     seqlens = seqlens or ((1024, 4096, 16384) if quick else SEQLENS)
     headdims = headdims or ((128,) if quick else HEADDIMS)
