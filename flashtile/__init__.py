@@ -1,5 +1,6 @@
 """flashtile: IO-aware exact attention and softmax kernels (Triton on GPU, PyTorch on CPU)."""
 
+from flashtile import distributed, dropout
 from flashtile.interface import flash_attn_func, flash_attn_varlen_func
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.merging import merge_attention_states
