@@ -91,8 +91,11 @@ def main():
             print(f"step {step:4d}  loss {loss.item():.3f}  copied half {copy_loss.item():.3f}  "
                   f"(chance {math.log(args.vocab - 1):.3f})  {time.time() - start:.0f}s", flush=True)
 
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no loss plot (pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,5 +1,6 @@
 """The examples keep running (a few steps each)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,4 +15,5 @@ def test_tiny_gpt_example_runs(tmp_path):
                         "--batch", "4", "--half", "8", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
-    assert "step    2" in r.stdout and out.exists()
+    assert "step    2" in r.stdout
+    assert out.exists() == (importlib.util.find_spec("matplotlib") is not None)
