@@ -20,5 +20,7 @@ __all__ = [
     "pad_input",
     "softmax",
     "log_softmax",
+    "distributed",
+    "dropout",
     "__version__",
 ]

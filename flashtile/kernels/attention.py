@@ -25,18 +25,16 @@ as zeros), so no copy is made.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
+from flashtile.kernels.runtime import INTERPRET
 
 LOG2E = 1.4426950408889634
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

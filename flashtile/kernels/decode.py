@@ -15,17 +15,14 @@ address is computed on its own.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from flashtile.kernels.attention import LOG2E, _dot_precision, _padded_headdim, _score_mod_args, _score_mod
 from flashtile.kernels.masking import band_mask
+from flashtile.kernels.runtime import INTERPRET, sm_count
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -113,15 +110,10 @@ def _decode_split(
     tl.store(LSE_PART + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.device, block_n: int) -> int:
     """Enough splits that batch * nheads_k * splits programs fill the GPU about twice, each
     split keeping at least a few key tiles."""
-    sms = 1 if INTERPRET or device.type != "cuda" else _sm_count(device.index or 0)
+    sms = 1 if device.type != "cuda" else sm_count(device.index or 0)
     want = -(-2 * sms // max(1, batch * nheads_k))
     return max(1, min(want, 64, -(-capacity // (4 * block_n))))
 

@@ -25,15 +25,13 @@ never NaN; NaN and ``+inf`` inputs propagate as in ``torch.softmax``.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from flashtile.kernels.runtime import INTERPRET, sm_count
+
 LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 IN_REGISTER_MAX = 32768
 MAX_SPLITS = 64
 
@@ -292,11 +290,6 @@ def collapse_rows(shape, *stride_sets):
     return tuple(lead), [tuple(st) for st in strides]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | None = None,
          splits: int | None = None):
     """Pick the strategy and its launch shape for (n_rows, n_cols)."""
@@ -314,7 +307,7 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
         raise ValueError(f"strategy must be 'registers', 'online' or None, got {strategy!r}")
     block_n = block or (64 if INTERPRET else 4096)
     if splits is None:
-        sms = 1 if INTERPRET else _sm_count(torch.cuda.current_device())
+        sms = sm_count(torch.cuda.current_device()) if not INTERPRET else 1
         splits = max(1, min(MAX_SPLITS, -(-4 * sms // n_rows), triton.cdiv(n_cols, block_n)))
     chunk = triton.cdiv(triton.cdiv(n_cols, splits), block_n) * block_n
     splits = triton.cdiv(n_cols, chunk)

@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers, one module per op family (attention, decode, softmax)."""
