@@ -262,3 +262,14 @@ class OtherCpuLoad:
             other = (busy1 - self._busy0) - (own1 - self._own0)
             self.fraction = round(min(1.0, max(0.0, other / (wall * (os.cpu_count() or 1)))), 3)
         return False
+
+
+def save_results(records, out_dir, name: str, print_table, plot) -> None:
+    """Append ``records`` to ``out_dir/name.jsonl``, print the table, draw ``out_dir/name.png``."""
+    out_dir = Path(out_dir)
+    write_jsonl(out_dir / f"{name}.jsonl", records)
+    print_table(records)
+    try:
+        plot(records, out_dir / f"{name}.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")

@@ -15,11 +15,10 @@ for the backward and 3.5 for forward + backward.  Timings are medians from
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import environment, write_jsonl
+from flashtile.bench.common import environment, save_results
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
@@ -191,13 +190,7 @@ def run_gpu_benchmark(
                     records.append(dict(rec, peak_extra_bytes=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
 
-    out_dir = Path(out_dir)
-    write_jsonl(out_dir / "attention.jsonl", records)
-    print_table(records)
-    try:
-        plot(records, out_dir / "attention.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    save_results(records, out_dir, "attention", print_table, plot)
     return records
 
 

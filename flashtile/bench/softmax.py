@@ -10,11 +10,10 @@ kernels: max, exp-and-sum, divide).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import environment, write_jsonl
+from flashtile.bench.common import environment, save_results
 
 COLS = (128, 512, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 TOTAL = 2**28
@@ -85,13 +84,7 @@ def run_softmax_benchmark(out_dir="benchmarks/results", cols=COLS, dtypes=(torch
             records.append(dict(rec, ms=ms, gbps=moved / ms * 1e-6))
             x = None
             torch.cuda.empty_cache()
-    out_dir = Path(out_dir)
-    write_jsonl(out_dir / "softmax.jsonl", records)
-    print_table(records)
-    try:
-        plot(records, out_dir / "softmax.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    save_results(records, out_dir, "softmax", print_table, plot)
     return records
 
 
