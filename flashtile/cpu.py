@@ -252,14 +252,16 @@ def _sequence_slopes(alibi_slopes, b):
     return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
 
 
-def _varlen_rng_rows(q, cu_seqlens_k, q0):
-    # Packed LSE rows: head * total_q + token; columns: the longest key sequence.
-    lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    return (0, q.shape[0], q0, int(lens.max()) if lens.numel() else 0)
+def _varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k):
+    # Packed LSE rows: head * total_q + token; columns: max_seqlen_k, as the kernels count them.
+    if max_seqlen_k is None:
+        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        max_seqlen_k = int(lens.max()) if lens.numel() else 0
+    return (0, q.shape[0], q0, max_seqlen_k)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
-                             softcap=0.0, alibi_slopes=None, dropout=None):
+                             softcap=0.0, alibi_slopes=None, dropout=None, max_seqlen_q=None, max_seqlen_k=None):
     """Packed ``(total, nheads, d)`` forward; LSE ``(nheads, total_q)``."""
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_compute_dtype(q.dtype), device=q.device)
@@ -268,14 +270,15 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
             continue
         o, l = attention_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left,
                                  window_right, softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b),
-                                 dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0))
+                                 dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k))
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
-                              window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, dropout=None):
+                              window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, dropout=None,
+                              max_seqlen_q=None, max_seqlen_k=None):
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
@@ -287,7 +290,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             lse[None, :, q0:q1], softmax_scale, window_left, window_right,
             dlse=None if dlse is None else dlse[None, :, q0:q1],
             softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b),
-            dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0),
+            dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k),
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv

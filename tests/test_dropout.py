@@ -124,14 +124,17 @@ def test_varlen_kernels_dropout_match_cpu_path():
     gen = torch.Generator().manual_seed(10)
     q, k, v = (torch.randn(n, h, 32, generator=gen).to(DEVICE) for n, h in ((33, 4), (41, 2), (41, 2)))
     drop = (0.2, 42, 0)
-    out, lse = ka.varlen_attention_forward(q, k, v, cu_q, cu_k, 0.25, -1, 0, dropout=drop)
+    # A max_seqlen_k above the longest sequence changes the RNG's row length: both paths follow it.
+    out, lse = ka.varlen_attention_forward(q, k, v, cu_q, cu_k, 0.25, -1, 0, dropout=drop, max_seqlen_q=20,
+                                           max_seqlen_k=30)
     ref_out, ref_lse = cpu.varlen_attention_forward(q.double(), k.double(), v.double(), cu_q.cpu(), cu_k.cpu(), 0.25,
-                                                    -1, 0, dropout=drop)
+                                                    -1, 0, dropout=drop, max_seqlen_k=30)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
     dout = random_like(out, seed=11)
-    grads = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.25, -1, 0, dropout=drop)
+    grads = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.25, -1, 0, dropout=drop,
+                                         max_seqlen_q=20, max_seqlen_k=30)
     ref = cpu.varlen_attention_backward(dout.double(), q.double(), k.double(), v.double(), ref_out, ref_lse,
-                                        cu_q.cpu(), cu_k.cpu(), 0.25, -1, 0, dropout=drop)
+                                        cu_q.cpu(), cu_k.cpu(), 0.25, -1, 0, dropout=drop, max_seqlen_k=30)
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g.double(), r, atol=5e-5, rtol=1e-4)
 

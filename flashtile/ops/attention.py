@@ -125,10 +125,6 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------
 
 
-def _varlen_backend(t: torch.Tensor):
-    return _backend(t)
-
-
 @torch.library.custom_op("flashtile::varlen_attention_forward", mutates_args=())
 def varlen_attention_forward(
     q: torch.Tensor,
@@ -148,10 +144,10 @@ def varlen_attention_forward(
     offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k) if q.is_cuda else {}
-    return _varlen_backend(q).varlen_attention_forward(
+    return _backend(q).varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, seed, offset), **kw,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, seed, offset),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
 
 
@@ -186,10 +182,10 @@ def varlen_attention_backward(
     offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k) if q.is_cuda else {}
-    return _varlen_backend(q).varlen_attention_backward(
+    return _backend(q).varlen_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset), **kw,
+        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
 
 
