@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from flashtile import cpu
-from flashtile.merging import merge_split_states
 from flashtile.ops.validation import _check_tensor, check_alibi_slopes, check_attention_inputs
 
 
@@ -94,12 +93,11 @@ def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, 
 
 def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
                    alibi_slopes, num_splits):
-    from flashtile.kernels.decode import decode_partials
+    from flashtile.kernels.decode import combine_splits, decode_partials
 
     o_part, lse_part = decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left,
                                        right, softcap, alibi_slopes, num_splits)
-    out, lse = merge_split_states(o_part, lse_part)
-    return out.to(q.dtype), lse
+    return combine_splits(o_part, lse_part, q.shape[-1], q.dtype)
 
 
 @torch.no_grad()

@@ -58,11 +58,11 @@ def _impl_fn(impl: str, causal: bool, headdim: int):
     if impl == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.config.cache_size_limit = 1024
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = 1024
+        _dynamo.config.cache_size_limit = 1024
+        if hasattr(_dynamo.config, "recompile_limit"):
+            _dynamo.config.recompile_limit = 1024
         compiled = torch.compile(flex_attention, dynamic=False)
         masks = {}
 

@@ -34,11 +34,11 @@ def _fwd_fn(impl):
     if impl == "torch":
         return lambda x: torch.softmax(x, dim=-1)
     if impl == "compiled":
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.config.cache_size_limit = 256
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = 256
+        _dynamo.config.cache_size_limit = 256
+        if hasattr(_dynamo.config, "recompile_limit"):
+            _dynamo.config.recompile_limit = 256
         return torch.compile(lambda x: torch.softmax(x, dim=-1), dynamic=False)
     if impl == "naive":
         return _naive

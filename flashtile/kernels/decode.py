@@ -5,7 +5,9 @@ program per (batch, head) would leave most SMs idle at small batch.  The cache i
 cut into ``num_splits`` chunks of whole key tiles; each program handles one chunk for one
 (batch, kv head) and *all* query rows of that head's GQA group (``group * seqlen_q`` rows in
 one tile, so each K/V tile is read once for the group), and writes a partial output and
-LSE.  The partials are merged with the online-softmax rule (``flashtile.merging``).
+LSE.  A second, small kernel merges the partials with the online-softmax rule (the same rule
+as ``flashtile.merging``): one launch instead of the dozen elementwise torch ops the merge
+would take, which matters when the whole decode step lasts a few microseconds.
 
 The cache is contiguous ``(batch_cache, seqlen_cache, nheads_k, d)`` (rows of sequence b at
 ``cache_batch_idx[b]``) or paged ``(num_blocks, page_size, nheads_k, d)`` with
@@ -110,6 +112,51 @@ def _decode_split(
     tl.store(LSE_PART + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
 
 
+@triton.jit
+def _combine_splits(
+    O_PART, LSE_PART, OUT, LSE, num_splits, batch, seqlen_q, nheads, headdim,
+    stride_ob, stride_on, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (batch, query row, head): out = sum_s w_s * o_s with w_s = exp(lse_s - lse)."""
+    pid = tl.program_id(0)
+    h = pid % nheads
+    i = (pid // nheads) % seqlen_q
+    b = pid // (nheads * seqlen_q)
+    s = tl.arange(0, BLOCK_S).to(tl.int64)
+    s_ok = s < num_splits
+    lse_s = tl.load(LSE_PART + ((s * batch + b) * nheads + h) * seqlen_q + i, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    # Every split empty (no visible key): keep exp() finite and give zeros with LSE -inf.
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    total = tl.sum(w, 0)
+    empty = total == 0.0
+    w = w / tl.where(empty, 1.0, total)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O_PART + (((s[:, None] * batch + b) * seqlen_q + i) * nheads + h) * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0)
+    out_off = b.to(tl.int64) * stride_ob + i.to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
+    tl.store(OUT + out_off + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < headdim)
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+    tl.store(LSE + (b.to(tl.int64) * nheads + h) * seqlen_q + i, lse)
+
+
+def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, headdim: int, out_dtype: torch.dtype):
+    """Merge ``o_part (S, b, nq, h, d_pad)`` fp32 and ``lse_part (S, b, h, nq)`` into
+    ``(out (b, nq, h, headdim) in out_dtype, lse fp32 (b, h, nq))`` in one launch."""
+    num_splits, batch, seqlen_q, nheads, hd = o_part.shape
+    out = torch.empty((batch, seqlen_q, nheads, headdim), dtype=out_dtype, device=o_part.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=o_part.device)
+    _combine_splits[(batch * seqlen_q * nheads,)](
+        o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, headdim,
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=hd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1 if INTERPRET else 4,
+    )
+    return out, lse
+
+
 def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.device, block_n: int) -> int:
     """Enough splits that batch * nheads_k * splits programs fill the GPU about twice, each
     split keeping at least a few key tiles."""
@@ -120,7 +167,9 @@ def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.de
 
 def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
                     window_right, softcap, alibi_slopes, num_splits):
-    """Launch the split kernel; returns (o_part fp32 (S, b, nq, h, d_pad), lse_part (S, b, h, nq))."""
+    """Launch the split kernel; returns (o_part fp32 (S, b, nq, h, d_pad), lse_part (S, b, h, nq)).
+
+    The padded head dim stays in ``o_part``: :func:`combine_splits` drops it when writing."""
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
@@ -155,4 +204,4 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
         # 8 warps: with 4, ptxas spilled (contiguous 172 B, paged 8.7 KB) for d = 128 (sm_90, offline).
         num_warps=4 if INTERPRET else 8, num_stages=1 if INTERPRET else 3,
     )
-    return o_part[..., :d], lse_part
+    return o_part, lse_part
