@@ -1,28 +1,57 @@
 """Context-parallel (ring) attention over ``torch.distributed``: one sequence sharded across ranks.
 
-Each rank holds a shard of the sequence, ``(batch, seqlen / world, nheads, d)``.  The K/V
-shards travel around the ring (point-to-point ``isend``/``irecv``, the next transfer started
-before the current block is computed); each rank attends its queries to every K/V shard in
-turn and merges the partial results with the online-softmax rule
-(``flashtile.merging.merge_split_states``), so the result is exact.  The backward sends
-dK/dV around the ring with their K/V while dQ stays local, recomputing each block from the
-global LSE -- the single-device backward, block by block.
+Each rank holds a shard of the sequence, ``(batch, seqlen / world, nheads, d)`` (packed
+batches: every sequence's share, see :func:`ring_flash_attn_varlen_func`).  The K/V shards
+travel around the ring: at step ``s`` rank ``r`` holds the K/V of rank ``r - s``, and it
+posts the transfer of that shard to ``r + 1`` (``batch_isend_irecv``: one ``isend`` and one
+``irecv`` per tensor, grouped) *before* attending its queries to it, so the transfer runs
+while the block is computed.  Each step's partial ``(out, lse)`` is merged into a float32
+accumulator by the rule of :func:`flashtile.merging.merge_attention_states` (the online-softmax
+rule, applied in place), so the result is exact.
+
+The backward recomputes each block from the saved output and *global* LSE (the
+single-device backward, block by block).  K/V travel around the ring again, and the dK/dV
+accumulated for a shard travel one step behind it (float32): after its own block, a rank
+adds its contribution to the dK/dV it received for that shard and sends them on, the
+transfer overlapping the next block; after ``world`` hops they are back with their owner.
+dQ stays local.
 
 Causal load balance ("zigzag"): with ``2 * world`` equal chunks, rank ``r`` holds chunks ``r``
-and ``2 * world - 1 - r``, so every rank has the same amount of unmasked work;
-:func:`zigzag_shard` / :func:`zigzag_unshard` reorder a full sequence.  Block pairs that are
-entirely masked are skipped.  ``mode="allgather"`` gathers K/V once instead (better for small
-worlds or short shards).  Works with NCCL on GPUs and gloo on CPUs.
+and ``2 * world - 1 - r`` (:func:`zigzag_shard` / :func:`zigzag_unshard`), so every rank has
+the same unmasked work.  Each step is then one kernel call: the own shard causally; an
+earlier rank's shard: all queries against its first chunk (its second chunk is entirely in
+the future); a later rank's shard: the second query chunk against all of it.  Without zigzag,
+steps whose block is entirely masked (a later rank's keys) are skipped.
+
+``mode="allgather"`` gathers every K/V shard once instead (asynchronously, overlapped with
+the local block) and reduce-scatters dK/dV in the backward: fewer, larger messages, ``world``
+times the K/V memory -- the better choice for small worlds or short shards.
+
+Works with NCCL on GPUs (the Triton kernels) and gloo on CPUs (the PyTorch path).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
-from flashtile.merging import merge_split_states
 from flashtile.ops import attention as _ops
-from flashtile.ops.validation import check_attention_inputs
+from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens
+
+__all__ = [
+    "ring_flash_attn_func",
+    "ring_flash_attn_varlen_func",
+    "varlen_local_cu_seqlens",
+    "varlen_shard",
+    "varlen_unshard",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
+
+_MODES = ("ring", "allgather")
+_KV_TAG, _GRAD_TAG = 0, 1  # distinct tags: K/V and dK/dV messages never pair up by mistake (gloo)
 
 
 # ----------------------------------------------------------------------------------------
@@ -35,8 +64,20 @@ def _chunk_ids(rank: int, world: int, zigzag: bool) -> list[int]:
     return [rank, 2 * world - 1 - rank] if zigzag else [rank]
 
 
+def _check_rank_world(rank, world):
+    for name, value in (("rank", rank), ("world", world)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank {rank}, world {world}")
+
+
 def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
-    """This rank's zigzag shard of a full sequence: chunks ``rank`` and ``2 * world - 1 - rank``."""
+    """This rank's zigzag shard of a full sequence: chunks ``rank`` and ``2 * world - 1 - rank``
+    of ``2 * world`` equal chunks along ``dim`` (the sequence dim; 2 for a dense LSE)."""
+    _check_rank_world(rank, world)
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"zigzag sharding needs a length divisible by 2 * world = {2 * world}, got {x.shape[dim]}")
     chunks = x.chunk(2 * world, dim=dim)
     return torch.cat([chunks[i] for i in _chunk_ids(rank, world, True)], dim=dim)
 
@@ -51,198 +92,376 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _host_cu(name: str, cu_seqlens) -> list[int]:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D tensor of batch + 1 prefix sums")
+    cu = cu_seqlens.tolist()  # one small device-to-host copy
+    if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu}")
+    return cu
+
+
+def _check_divisible(name: str, cu: list[int], world: int, zigzag: bool) -> int:
+    n = 2 * world if zigzag else world
+    lens = [b - a for a, b in itertools.pairwise(cu)]
+    bad = [(i, n_) for i, n_ in enumerate(lens) if n_ % n]
+    if bad:
+        how = f"2 * world = {n} (zigzag)" if zigzag else f"world = {n}"
+        raise ValueError(
+            f"{name}: every sequence is split into {n} equal chunks, so every length must be divisible by "
+            f"{how}; sequences (index, length) {bad[:8]} are not (pad them)"
+        )
+    return n
+
+
+def _varlen_rows(cu: list[int], rank: int, world: int, zigzag: bool) -> torch.Tensor:
+    """Global packed rows held by ``rank``, in local order: for each sequence, its chunks."""
+    n = _check_divisible("cu_seqlens", cu, world, zigzag)
+    pieces = []
+    for start, end in itertools.pairwise(cu):
+        c = (end - start) // n
+        pieces += [torch.arange(start + i * c, start + (i + 1) * c) for i in _chunk_ids(rank, world, zigzag)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def varlen_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world: int, zigzag: bool = True,
+                 dim: int = 0) -> torch.Tensor:
+    """This rank's shard of a packed batch ``x`` (rows along ``dim``: 0 for q/k/v, 1 for an LSE).
+
+    ``cu_seqlens`` describes the *full* batch.  Every sequence is cut into ``2 * world`` equal
+    chunks (``world`` without ``zigzag``); the shard is, sequence after sequence, chunks
+    ``rank`` and ``2 * world - 1 - rank`` (chunk ``rank``): a packed batch of the same sequences,
+    each ``1 / world`` as long, described by :func:`varlen_local_cu_seqlens`.
+    """
+    _check_rank_world(rank, world)
+    rows = _varlen_rows(_host_cu("cu_seqlens", cu_seqlens), rank, world, zigzag)
+    return x.index_select(dim, rows.to(x.device))
+
+
+def varlen_unshard(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, zigzag: bool = True,
+                   dim: int = 0) -> torch.Tensor:
+    """Reassemble the full packed batch from every rank's :func:`varlen_shard` (in rank order)."""
+    world = len(shards)
+    cu = _host_cu("cu_seqlens", cu_seqlens)
+    shape = list(shards[0].shape)
+    shape[dim] = cu[-1]
+    out = shards[0].new_empty(shape)
+    for rank, shard in enumerate(shards):
+        out.index_copy_(dim, _varlen_rows(cu, rank, world, zigzag).to(out.device), shard)
+    return out
+
+
+def varlen_local_cu_seqlens(cu_seqlens: torch.Tensor, world: int) -> torch.Tensor:
+    """The ``cu_seqlens`` of one rank's shard: every sequence ``1 / world`` as long."""
+    return torch.div(cu_seqlens, world, rounding_mode="floor").to(cu_seqlens.dtype)
+
+
 # ----------------------------------------------------------------------------------------
-# One block: the single-device custom ops
+# Which block a step computes
+# ----------------------------------------------------------------------------------------
+
+_ALL, _FRONT, _BACK = "all", "front", "back"  # rows of a shard: all, its first / second chunk
+
+
+def _plan(rank: int, src: int, causal: bool, zigzag: bool):
+    """``(query rows, key rows, causal mask?)`` of this rank against ``src``'s K/V; None: all masked."""
+    if not causal:
+        return _ALL, _ALL, False
+    if src == rank:  # zigzag: chunk r then chunk 2w-1-r, both sides -- a plain causal block
+        return _ALL, _ALL, True
+    if zigzag:  # earlier rank: its first chunk precedes both of ours, its second follows both
+        return (_ALL, _FRONT, False) if src < rank else (_BACK, _ALL, False)
+    return (_ALL, _ALL, False) if src < rank else None
+
+
+def _merge_into(out, lse, o, l):
+    """``(out, lse) <- merge((out, lse), (o, l))`` in place: :func:`flashtile.merge_attention_states`'s
+    rule (an empty part, LSE -inf, contributes nothing; two empty parts give 0 and -inf), in float32
+    without its temporaries -- ``out`` and ``lse`` are float32 accumulators (or views of them)."""
+    new = torch.logaddexp(lse, l)
+    safe = torch.where(new == float("-inf"), 0.0, new)  # both parts empty: no -inf - -inf
+
+    def weight(x):
+        return torch.exp(x - safe).transpose(-1, -2).unsqueeze(-1)  # (.., heads, seq) -> (.., seq, heads, 1)
+
+    out.mul_(weight(lse)).addcmul_(o, weight(l))
+    lse.copy_(new)
+
+
+class _Dense:
+    """Blocks of dense ``(batch, seqlen, heads, d)`` shards; chunks are views."""
+
+    seq_dim, lse_dim = 1, 2
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def rows(self, x, part, dim):
+        if part == _ALL or x is None:
+            return x
+        half = x.shape[dim] // 2
+        return x.narrow(dim, 0 if part == _FRONT else half, half)
+
+    def merge(self, out, lse, part, o, l):
+        _merge_into(self.rows(out, part, self.seq_dim), self.rows(lse, part, self.lse_dim), o, l)
+
+    def add(self, acc, part, dim, value):
+        self.rows(acc, part, dim).add_(value)
+
+    def fwd(self, q, k, v, q_part, k_part, causal):
+        return _ops.attention_forward(q, k, v, self.scale, -1, 0 if causal else -1, 0.0, None, 0.0, 0, 0, False)
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, q_part, k_part, causal):
+        return _ops.attention_backward(dout, q, k, v, out, lse, dlse, self.scale, -1, 0 if causal else -1,
+                                       0.0, None, 0.0, 0, 0, False)
+
+
+class _Varlen:
+    """Blocks of packed ``(total, heads, d)`` shards; a chunk is every sequence's first or
+    second half (gathered rows), described by its own ``cu_seqlens``."""
+
+    seq_dim, lse_dim = 0, 1
+
+    def __init__(self, scale, cu_q, cu_k, max_q, max_k, halves):
+        self.scale = scale
+        self.cu = {"q": cu_q, "k": cu_k}
+        self.max = {"q": max_q, "k": max_k}
+        self.halves = halves  # (cu_half, max_half, front_rows, back_rows) for causal zigzag
+
+    def _idx(self, part):
+        return self.halves[2] if part == _FRONT else self.halves[3]
+
+    def rows(self, x, part, dim):
+        if part == _ALL or x is None:
+            return x
+        return x.index_select(dim, self._idx(part))
+
+    def merge(self, out, lse, part, o, l):
+        if part == _ALL:
+            _merge_into(out, lse, o, l)
+            return
+        rows_out, rows_lse = self.rows(out, part, self.seq_dim), self.rows(lse, part, self.lse_dim)
+        _merge_into(rows_out, rows_lse, o, l)
+        out.index_copy_(self.seq_dim, self._idx(part), rows_out)
+        lse.index_copy_(self.lse_dim, self._idx(part), rows_lse)
+
+    def add(self, acc, part, dim, value):
+        if part == _ALL:
+            acc.add_(value)
+        else:
+            acc.index_add_(dim, self._idx(part), value)
+
+    def _seq(self, side, part):
+        return (self.cu[side], self.max[side]) if part == _ALL else (self.halves[0], self.halves[1])
+
+    def fwd(self, q, k, v, q_part, k_part, causal):
+        (cu_q, max_q), (cu_k, max_k) = self._seq("q", q_part), self._seq("k", k_part)
+        return _ops.varlen_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, self.scale, -1, 0 if causal else -1,
+                                             0.0, None, 0.0, 0, 0, False)
+
+    def bwd(self, dout, q, k, v, out, lse, dlse, q_part, k_part, causal):
+        (cu_q, max_q), (cu_k, max_k) = self._seq("q", q_part), self._seq("k", k_part)
+        return _ops.varlen_attention_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, self.scale,
+                                              -1, 0 if causal else -1, 0.0, None, 0.0, 0, 0, False)
+
+
+# ----------------------------------------------------------------------------------------
+# Communication: the ring, and the all-gather alternative
 # ----------------------------------------------------------------------------------------
 
 
-def _visibility(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
-    """Which mask a (query chunk, key chunk) block needs: None (skip), 'full' or 'causal'."""
-    if not causal or k_chunk < q_chunk:
-        return "full"
-    return "causal" if k_chunk == q_chunk else None
-
-
-def _block_fwd(q, k, v, scale, kind):
-    return _ops.attention_forward(q, k, v, scale, -1, 0 if kind == "causal" else -1, 0.0, None, 0.0, 0, 0, False)
-
-
-def _block_bwd(dout, q, k, v, out, lse, dlse, scale, kind):
-    return _ops.attention_backward(dout, q, k, v, out, lse, dlse, scale, -1, 0 if kind == "causal" else -1,
-                                   0.0, None, 0.0, 0, 0, False)
-
-
-def _merge(parts, out_like, lse_shape):
-    """Merge a list of (out, lse) partials; no part at all -> zeros and -inf."""
-    if not parts:
-        return (torch.zeros(out_like.shape, dtype=torch.float32, device=out_like.device),
-                torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=out_like.device))
-    return merge_split_states(torch.stack([p[0] for p in parts]), torch.stack([p[1].float() for p in parts]))
-
-
-# ----------------------------------------------------------------------------------------
-# Ring
-# ----------------------------------------------------------------------------------------
-
-
-class _Ring:
-    """Send to the next rank and receive from the previous one, asynchronously."""
-
+class _Comm:
     def __init__(self, group):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group is not None else (self.rank + 1) % self.world
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else (self.rank - 1) % self.world
 
-    def start(self, tensors):
-        buffers = [torch.empty_like(t) for t in tensors]
-        reqs = []
-        # Even ranks send first and odd ranks receive first, so blocking transports pair up.
-        for t, buf in zip(tensors, buffers):
-            if self.rank % 2 == 0:
-                reqs += [dist.isend(t.contiguous(), self.next, group=self.group), dist.irecv(buf, self.prev, group=self.group)]
-            else:
-                reqs += [dist.irecv(buf, self.prev, group=self.group), dist.isend(t.contiguous(), self.next, group=self.group)]
-        return reqs, buffers
+
+class _Ring(_Comm):
+    """K/V rotate one hop per step (the next hop posted before the block is computed); the
+    dK/dV of a shard follow one step behind."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+        self.next = to_global((self.rank + 1) % self.world)
+        self.prev = to_global((self.rank - 1) % self.world)
+        self._grad_pending, self._grads = None, None
+
+    def _start(self, tensors, tag):
+        """Send ``tensors`` to the next rank and receive the previous rank's, asynchronously."""
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends]
+        ops = [dist.P2POp(dist.isend, t, peer=self.next, group=self.group, tag=tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer=self.prev, group=self.group, tag=tag) for t in recvs]
+        return dist.batch_isend_irecv(ops), recvs, sends  # sends kept alive until the wait
 
     @staticmethod
-    def finish(pending):
-        reqs, buffers = pending
+    def _finish(pending):
+        reqs, recvs, _ = pending
         for r in reqs:
             r.wait()
-        return buffers
+        return recvs
+
+    def kv_stream(self, tensors):
+        """Yield ``(src, tensors of rank src)`` for ``src = rank, rank - 1, ...``; while the
+        caller computes on one, the next is already in flight."""
+        for step in range(self.world):
+            pending = self._start(tensors, _KV_TAG) if step + 1 < self.world else None
+            yield (self.rank - step) % self.world, tensors
+            if pending is not None:
+                tensors = self._finish(pending)
+
+    def push_grads(self, src, grads):
+        """This step's float32 (dK, dV) contribution to ``src``'s shard (None: no work): add the
+        sum received from the previous rank, send it on (overlapping the next step)."""
+        if self._grad_pending is not None:
+            received = self._finish(self._grad_pending)
+            grads = received if grads is None else [g.add_(r) for g, r in zip(grads, received)]
+        self._grads = grads
+        self._grad_pending = self._start(grads, _GRAD_TAG) if self.world > 1 else None
+
+    def collect_grads(self, like):
+        # The last hop brings every rank the finished dK/dV of its own shard.
+        return self._finish(self._grad_pending) if self._grad_pending is not None else self._grads
 
 
-def _split_chunks(x, n):
-    return list(x.chunk(n, dim=1)) if n > 1 else [x]
+class _AllGather(_Comm):
+    """Every K/V shard gathered once (overlapped with the local block); dK/dV reduce-scattered."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self._grads = {}
+
+    def kv_stream(self, tensors):
+        if self.world == 1:
+            yield self.rank, tensors
+            return
+        tensors = [t.contiguous() for t in tensors]
+        gathered = [[torch.empty_like(t) for _ in range(self.world)] for t in tensors]
+        works = [dist.all_gather(g, t, group=self.group, async_op=True) for g, t in zip(gathered, tensors)]
+        yield self.rank, tensors
+        for w in works:
+            w.wait()
+        for step in range(1, self.world):
+            src = (self.rank - step) % self.world
+            yield src, [g[src] for g in gathered]
+
+    def push_grads(self, src, grads):
+        self._grads[src] = grads
+
+    def collect_grads(self, like):
+        out = []
+        for i, t in enumerate(like):
+            parts = [self._grads[s][i] if self._grads.get(s) is not None else
+                     torch.zeros(t.shape, dtype=torch.float32, device=t.device) for s in range(self.world)]
+            if self.world == 1:
+                out.append(parts[0])
+                continue
+            mine = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+            dist.reduce_scatter(mine, [p.contiguous() for p in parts], group=self.group)
+            out.append(mine)
+        return out
 
 
-def _ring_forward(q, k, v, scale, causal, zigzag, ring):
-    n = 2 if zigzag else 1
-    q_ids = _chunk_ids(ring.rank, ring.world, zigzag)
-    q_chunks = _split_chunks(q, n)
-    parts = [[] for _ in range(n)]
-    kv = (k, v)
-    for step in range(ring.world):
-        pending = ring.start(kv) if step + 1 < ring.world else None  # overlap: next shard in flight
-        src = (ring.rank - step) % ring.world
-        k_chunks, v_chunks = _split_chunks(kv[0], n), _split_chunks(kv[1], n)
-        for qi, (qid, qc) in enumerate(zip(q_ids, q_chunks)):
-            for kid, kc, vc in zip(_chunk_ids(src, ring.world, zigzag), k_chunks, v_chunks):
-                kind = _visibility(qid, kid, causal)
-                if kind is not None:
-                    parts[qi].append(_block_fwd(qc, kc, vc, scale, kind))
-        if pending is not None:
-            kv = tuple(ring.finish(pending))
-    merged = [_merge(p, qc, (qc.shape[0], qc.shape[2], qc.shape[1])) for p, qc in zip(parts, q_chunks)]
-    out = torch.cat([m[0] for m in merged], dim=1).to(q.dtype)
-    lse = torch.cat([m[1] for m in merged], dim=2)
-    return out, lse
-
-
-def _ring_backward(dout, q, k, v, out, lse, dlse, scale, causal, zigzag, ring):
-    n = 2 if zigzag else 1
-    q_ids = _chunk_ids(ring.rank, ring.world, zigzag)
-    sq = lambda x: _split_chunks(x, n)  # noqa: E731
-    lse_chunks = list(lse.chunk(n, dim=2)) if n > 1 else [lse]
-    dlse_chunks = (list(dlse.chunk(n, dim=2)) if n > 1 else [dlse]) if dlse is not None else [None] * n
-    q_chunks, do_chunks, o_chunks = sq(q), sq(dout), sq(out)
-    dq = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_chunks]
-    # The travelling state: this step's K/V shard and the dK/dV accumulated for it so far.
-    state = (k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-             torch.zeros(v.shape, dtype=torch.float32, device=v.device))
-    for step in range(ring.world):
-        src = (ring.rank - step) % ring.world
-        kk, vv, dk_acc, dv_acc = state
-        k_chunks, v_chunks = sq(kk), sq(vv)
-        dk_parts, dv_parts = sq(dk_acc.clone()), sq(dv_acc.clone())
-        for qi, qid in enumerate(q_ids):
-            for kj, kid in enumerate(_chunk_ids(src, ring.world, zigzag)):
-                kind = _visibility(qid, kid, causal)
-                if kind is None:
-                    continue
-                g = _block_bwd(do_chunks[qi], q_chunks[qi], k_chunks[kj], v_chunks[kj], o_chunks[qi],
-                               lse_chunks[qi], dlse_chunks[qi], scale, kind)
-                dq[qi] += g[0].float()
-                dk_parts[kj] = dk_parts[kj] + g[1].float()
-                dv_parts[kj] = dv_parts[kj] + g[2].float()
-        dk_acc, dv_acc = torch.cat(dk_parts, dim=1), torch.cat(dv_parts, dim=1)
-        state = (kk, vv, dk_acc, dv_acc)
-        if ring.world > 1:  # pass the block on; after `world` moves every dK/dV is back with its owner
-            state = tuple(ring.finish(ring.start(state)))
-    dk, dv = state[2], state[3]
-    return torch.cat(dq, dim=1).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+def _comm(mode, group):
+    return _Ring(group) if mode == "ring" else _AllGather(group)
 
 
 # ----------------------------------------------------------------------------------------
-# All-gather variant
+# Forward and backward over the blocks
 # ----------------------------------------------------------------------------------------
 
 
-def _gather_seq(x, ring, zigzag):
-    """All ranks' shards, reassembled in global sequence order."""
-    shards = [torch.empty_like(x) for _ in range(ring.world)]
-    dist.all_gather(shards, x.contiguous(), group=ring.group)
-    return zigzag_unshard(shards) if zigzag else torch.cat(shards, dim=1)
+def _forward(q, k, v, causal, zigzag, comm, lay):
+    out = lse = None
+    for src, (kk, vv) in comm.kv_stream((k, v)):
+        plan = _plan(comm.rank, src, causal, zigzag)
+        if plan is None:
+            continue
+        qp, kp, blk_causal = plan
+        o, l = lay.fwd(lay.rows(q, qp, lay.seq_dim), lay.rows(kk, kp, lay.seq_dim), lay.rows(vv, kp, lay.seq_dim),
+                       qp, kp, blk_causal)
+        if out is None:  # step 0 is this rank's own shard: every query row, a fresh accumulator
+            out, lse = o.float(), l.float()
+        else:
+            lay.merge(out, lse, qp, o, l)
+    return out.to(q.dtype), lse
 
 
-def _allgather_blocks(q, ring, zigzag, causal, total):
-    """(query chunk, keys it needs) pairs: keys [0, end) with the causal band bottom-right aligned."""
-    chunk = total // (2 * ring.world if zigzag else ring.world)
-    for qi, qid in enumerate(_chunk_ids(ring.rank, ring.world, zigzag)):
-        end = (qid + 1) * chunk if causal else total
-        yield qi, end, "causal" if causal else "full"
-
-
-def _allgather_forward(q, k, v, scale, causal, zigzag, ring):
-    kf, vf = _gather_seq(k, ring, zigzag), _gather_seq(v, ring, zigzag)
-    n = 2 if zigzag else 1
-    outs, lses = [], []
-    for qi, end, kind in _allgather_blocks(q, ring, zigzag, causal, kf.shape[1]):
-        o, l = _block_fwd(_split_chunks(q, n)[qi], kf[:, :end], vf[:, :end], scale, kind)
-        outs.append(o)
-        lses.append(l)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
-
-
-def _allgather_backward(dout, q, k, v, out, lse, dlse, scale, causal, zigzag, ring):
-    kf, vf = _gather_seq(k, ring, zigzag), _gather_seq(v, ring, zigzag)
-    n = 2 if zigzag else 1
-    dkf = torch.zeros(kf.shape, dtype=torch.float32, device=k.device)
-    dvf = torch.zeros(vf.shape, dtype=torch.float32, device=v.device)
-    dqs = []
-    lse_c = list(lse.chunk(n, dim=2)) if n > 1 else [lse]
-    dlse_c = (list(dlse.chunk(n, dim=2)) if n > 1 else [dlse]) if dlse is not None else [None] * n
-    for qi, end, kind in _allgather_blocks(q, ring, zigzag, causal, kf.shape[1]):
-        g = _block_bwd(_split_chunks(dout, n)[qi], _split_chunks(q, n)[qi], kf[:, :end], vf[:, :end],
-                       _split_chunks(out, n)[qi], lse_c[qi], dlse_c[qi], scale, kind)
-        dqs.append(g[0])
-        dkf[:, :end] += g[1].float()
-        dvf[:, :end] += g[2].float()
-    # Every rank contributed to every key: sum, then keep this rank's shard.
-    dist.all_reduce(dkf, group=ring.group)
-    dist.all_reduce(dvf, group=ring.group)
-    own = lambda x: zigzag_shard(x, ring.rank, ring.world) if zigzag else x.chunk(ring.world, dim=1)[ring.rank]  # noqa: E731
-    return torch.cat(dqs, dim=1), own(dkf).to(k.dtype), own(dvf).to(v.dtype)
+def _backward(dout, q, k, v, out, lse, dlse, causal, zigzag, comm, lay):
+    dq = None
+    for src, (kk, vv) in comm.kv_stream((k, v)):
+        plan = _plan(comm.rank, src, causal, zigzag)
+        if plan is None:
+            comm.push_grads(src, None)
+            continue
+        qp, kp, blk_causal = plan
+        sd = lay.seq_dim
+        g = lay.bwd(lay.rows(dout, qp, sd), lay.rows(q, qp, sd), lay.rows(kk, kp, sd), lay.rows(vv, kp, sd),
+                    lay.rows(out, qp, sd), lay.rows(lse, qp, lay.lse_dim), lay.rows(dlse, qp, lay.lse_dim),
+                    qp, kp, blk_causal)
+        if dq is None:  # step 0: every query row
+            dq = g[0].float()
+        else:
+            lay.add(dq, qp, sd, g[0])
+        grads = []
+        for gk, t in zip(g[1:], (kk, vv)):
+            if kp == _ALL:
+                grads.append(gk.float())
+            else:
+                acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                lay.add(acc, kp, sd, gk)
+                grads.append(acc)
+        comm.push_grads(src, grads)
+    dk, dv = comm.collect_grads((k, v))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, zigzag, mode, group):
-        ring = _Ring(group)
-        fwd = _ring_forward if mode == "ring" else _allgather_forward
-        out, lse = fwd(q, k, v, scale, causal, zigzag, ring)
+    def forward(ctx, q, k, v, lay, causal, zigzag, mode, group):
+        out, lse = _forward(q, k, v, causal, zigzag, _comm(mode, group), lay)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, zigzag, mode, group)
+        ctx.args = (lay, causal, zigzag, mode, group)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, causal, zigzag, mode, group = ctx.args
-        bwd = _ring_backward if mode == "ring" else _allgather_backward
-        dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dlse, scale, causal, zigzag, _Ring(group))
+        lay, causal, zigzag, mode, group = ctx.args
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, causal, zigzag, _comm(mode, group), lay)
         return dq, dk, dv, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------
+
+
+def _check_common(group, causal, window_size, return_lse, zigzag, mode, params):
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("ring attention needs an initialised torch.distributed process group "
+                         "(torch.distributed.init_process_group)")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'ring' or 'allgather', got {mode!r}")
+    if zigzag is not None and not isinstance(zigzag, bool):
+        raise TypeError(f"zigzag must be a bool or None, got {type(zigzag).__name__}")
+    if params.window_left != -1 or params.window_right not in (-1, 0):
+        raise NotImplementedError(
+            f"ring attention supports no sliding window yet: window_size must be (-1, -1) (or (-1, 0), i.e. "
+            f"causal), got {tuple(window_size)}")
+    causal = params.window_right == 0
+    if dist.get_rank(group) < 0:
+        raise ValueError("this rank is not a member of group")
+    return causal, causal if zigzag is None else zigzag
 
 
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -250,25 +469,99 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
-        q, k, v: this rank's shard, ``(batch, seqlen / world, nheads[_k], d)``; all ranks
-            hold equal-length shards.  With ``zigzag`` (default: ``causal``) the shard is
-            :func:`zigzag_shard` of the full sequence, else the ``rank``-th contiguous chunk.
-        mode: ``"ring"`` (K/V rotate, overlapped with compute) or ``"allgather"``.
-        The rest as in :func:`flashtile.flash_attn_func`; sliding windows are not supported
-        across shards yet.
+        q: this rank's shard, ``(batch, seqlen / world, nheads, d)``; k, v:
+            ``(batch, seqlen_k / world, nheads_k, d)``.  Every rank holds equal-length shards
+            (the same shapes on every rank).  With ``zigzag`` (default: ``causal``) a shard is
+            :func:`zigzag_shard` of the full sequence (chunks ``rank`` and ``2 * world - 1 - rank``
+            of ``2 * world``), else the ``rank``-th of ``world`` contiguous chunks.
+        group: the process group (default: the world).
+        softmax_scale: score scale, default ``d ** -0.5``.
+        causal: causal mask over the *full* sequence; needs ``seqlen_q == seqlen_k``.
+        window_size: only ``(-1, -1)`` (or ``(-1, 0)``, the causal mask); sliding windows raise
+            ``NotImplementedError``.
+        return_lse: also return this rank's shard of the LSE, float32 ``(batch, nheads, seqlen / world)``.
+        zigzag: how the sequence is sharded (above); only affects load balance when causal.
+        mode: ``"ring"`` (K/V rotate, transfers overlapped with compute; memory: two K/V shards)
+            or ``"allgather"`` (every K/V shard gathered at once; ``world`` K/V shards).
 
     Returns:
-        This rank's shard of the output (and of the LSE, ``(batch, nheads, seqlen / world)``).
+        This rank's shard of the output (and of the LSE); differentiable (dK/dV travel the ring
+        back to their owner, dQ stays local).  Works on CUDA tensors with NCCL and on CPU tensors
+        with gloo.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("ring_flash_attn_func needs an initialised torch.distributed process group")
     params = check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("window_size is not supported by ring attention yet; pass (-1, -1)")
-    if mode not in ("ring", "allgather"):
-        raise ValueError(f"mode must be 'ring' or 'allgather', got {mode!r}")
-    zigzag = causal if zigzag is None else bool(zigzag)
-    if zigzag and q.shape[1] % 2:
-        raise ValueError(f"zigzag shards hold two equal chunks: the local seqlen must be even, got {q.shape[1]}")
-    out, lse = _ContextParallelAttention.apply(q, k, v, params.softmax_scale, causal, zigzag, mode, group)
+    causal, zigzag = _check_common(group, causal, window_size, return_lse, zigzag, mode, params)
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal ring attention needs seqlen_q == seqlen_k, got shards of {q.shape[1]} and {k.shape[1]}")
+    if zigzag and (q.shape[1] % 2 or k.shape[1] % 2):
+        raise ValueError(f"zigzag shards hold two equal chunks: the local seqlen must be even, got "
+                         f"{q.shape[1]} (q) and {k.shape[1]} (k)")
+    out, lse = _ContextParallelAttention.apply(q, k, v, _Dense(params.softmax_scale), causal, zigzag, mode, group)
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, group=None,
+                                softmax_scale=None, causal=False, return_lse=False, zigzag=None, mode="ring"):
+    """Ring attention over a packed batch of variable-length sequences, each sharded across ranks.
+
+    Sharding: every sequence of the batch is cut into ``2 * world`` equal chunks (``zigzag``,
+    the default when ``causal``) or ``world`` chunks, and rank ``r`` holds, sequence after
+    sequence, chunks ``r`` and ``2 * world - 1 - r`` (or chunk ``r``) -- :func:`varlen_shard`.
+    So each rank holds a packed batch of the *same* sequences, each ``1 / world`` as long
+    (:func:`varlen_local_cu_seqlens`), and every sequence length must be divisible by
+    ``2 * world`` (``world``); pad sequences otherwise (``ValueError`` names the offenders).
+
+    Args:
+        q: this rank's shard ``(total_q / world, nheads, d)``; k, v: ``(total_k / world, nheads_k, d)``.
+        cu_seqlens_q, cu_seqlens_k: int32 prefix sums of the *full* batch (the same on every rank);
+            ``causal`` needs them equal.
+        max_seqlen_q, max_seqlen_k: the longest *full* sequence lengths.
+        The rest as in :func:`ring_flash_attn_func`.
+
+    Returns:
+        This rank's shard of the output (and of the LSE, float32 ``(nheads, total_q / world)``).
+
+    Each step is one call of the packed kernels with per-rank ``cu_seqlens``.  Reads
+    ``cu_seqlens`` on the host once per call (to validate and to index the chunks).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a torch.Tensor of shape (total_q / world, nheads, headdim)")
+    if not isinstance(k, torch.Tensor) or k.dim() != 3:
+        raise ValueError("k must be a torch.Tensor of shape (total_k / world, nheads_k, headdim)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("ring attention needs an initialised torch.distributed process group "
+                         "(torch.distributed.init_process_group)")
+    world = dist.get_world_size(group)
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] * world, q.device, max_seqlen_q, "max_seqlen_q")
+    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] * world, q.device, max_seqlen_k, "max_seqlen_k")
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    params = check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal, packed=True, packed_batch=batch)
+    causal, zigzag = _check_common(group, causal, (-1, 0) if causal else (-1, -1), return_lse, zigzag, mode, params)
+
+    cu_q, cu_k = _host_cu("cu_seqlens_q", cu_seqlens_q), _host_cu("cu_seqlens_k", cu_seqlens_k)
+    for name, cu, local, mx, mx_name in (("cu_seqlens_q", cu_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
+                                         ("cu_seqlens_k", cu_k, k.shape[0], max_seqlen_k, "max_seqlen_k")):
+        if cu[-1] != local * world:
+            raise ValueError(f"{name} ends at {cu[-1]}, but this rank's shard has {local} rows: the shard must be "
+                             f"1 / world of the full batch ({cu[-1]} / {world})")
+        if max(b - a for a, b in itertools.pairwise(cu)) > mx:
+            raise ValueError(f"{mx_name} ({mx}) is smaller than the longest sequence")
+        _check_divisible(name, cu, world, zigzag)
+    if causal and cu_q != cu_k:
+        raise ValueError("causal ring attention needs cu_seqlens_q == cu_seqlens_k (self-attention)")
+
+    halves = None
+    if causal and zigzag:
+        local = torch.tensor(cu_q, dtype=torch.long) // world
+        lens = local[1:] - local[:-1]
+        seq = torch.repeat_interleave(torch.arange(batch), lens)
+        pos = torch.arange(int(local[-1])) - local[:-1][seq]
+        front = pos < (lens // 2)[seq]
+        halves = (varlen_local_cu_seqlens(cu_seqlens_q, 2 * world), _ceil_div(max_seqlen_q, 2 * world),
+                  front.nonzero().flatten().to(q.device), (~front).nonzero().flatten().to(q.device))
+    lay = _Varlen(params.softmax_scale, varlen_local_cu_seqlens(cu_seqlens_q, world),
+                  varlen_local_cu_seqlens(cu_seqlens_k, world), _ceil_div(max_seqlen_q, world), _ceil_div(max_seqlen_k, world),
+                  halves)
+    out, lse = _ContextParallelAttention.apply(q, k, v, lay, causal, zigzag, mode, group)
     return (out, lse) if return_lse else out

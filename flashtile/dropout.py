@@ -1,12 +1,16 @@
 """Attention dropout from a counter-based RNG: the mask is a pure function of (seed, offset, position).
 
-Neither pass stores the ``seqlen_q x seqlen_k`` mask.  The forward draws each probability's
-keep/drop decision from Philox-4x32-10 at counter ``offset + row * seqlen_k + col`` (``row``
-is the query's row in the LSE, ``(batch * nheads + head) * seqlen_q + i`` for dense inputs,
-``head * total_q + token`` for packed ones; ``seqlen_k`` is the longest key sequence for
-packed ones) and the backward draws the same numbers again.  The Triton kernels use
-``tl.rand``; :func:`philox_uniform` is the same generator written with torch integer ops,
-bit-for-bit equal, so the CPU path and the tests see the very same mask.
+Neither pass stores the ``seqlen_q x seqlen_k`` mask.  The forward draws the keep/drop
+decisions from Philox-4x32-10 and the backward draws the same numbers again.  One Philox call
+(counter ``offset + row * ceil(seqlen_k / 8) + col // 8``) gives four 32-bit words = eight
+16-bit numbers, one for each of 8 consecutive keys: key ``col`` uses word ``(col % 8) // 2``,
+low half when ``col`` is even; it is kept when that number ``u`` satisfies ``u + 1/2 > p * 2^16``
+(``u >= round(p * 2^16)``).
+``row`` is the query's row in the LSE, ``(batch * nheads + head) * seqlen_q + i`` for dense
+inputs, ``head * total_q + token`` for packed ones (``seqlen_k`` is then the longest key
+sequence).  The Triton kernels use ``tl.randint4x``; :func:`philox4x32` is the same generator
+written with torch integer ops, bit-for-bit equal, so the CPU path and the tests see the very
+same mask.
 
 ``(seed, offset)`` come from torch's generator of the device (``torch.manual_seed`` makes a
 run reproducible), and the offset advances by the number of counters used, as PyTorch's
@@ -36,8 +40,9 @@ def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
-def philox_uniform(seed: int, counters: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 in [0, 1) for each int64 counter, identical to ``tl.rand(seed, counters)``."""
+def philox4x32(seed: int, counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The four uint32 words (as int64) of Philox-4x32-10 per int64 counter, identical to
+    ``tl.randint4x(seed, counters)``."""
     c = counters.to(torch.int64)
     c0, c1 = c & _MASK32, (c >> 32) & _MASK32
     c2 = torch.zeros_like(c0)
@@ -48,16 +53,38 @@ def philox_uniform(seed: int, counters: torch.Tensor) -> torch.Tensor:
         hi_a, lo_a = _mul32(_PHILOX_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) for each int64 counter, identical to ``tl.rand(seed, counters)``."""
+    c0 = philox4x32(seed, counters)[0]
     # Triton's uint -> float: reinterpret as int32, fold negatives, scale by ~2^-31.
     x = torch.where(c0 >= 2**31, c0 - 2**32, c0)
     x = torch.where(x < 0, -x - 1, x).to(torch.int32)
     return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
+KEYS_PER_CALL = 8  # 16-bit numbers per Philox call (4 words x 2 halves)
+
+
+def keep_threshold(dropout_p: float) -> float:
+    """p * 2^16 with p rounded to float32, as the kernels see it (exact in float64)."""
+    import numpy as np
+
+    return float(np.float32(dropout_p)) * 65536.0
+
+
 def keep_mask(seed: int, offset: int, rows: torch.Tensor, cols: torch.Tensor, row_length: int, dropout_p: float):
-    """Boolean keep-mask (probability ``1 - dropout_p``) at broadcast ``rows`` x ``cols``."""
-    counters = offset + rows.to(torch.int64) * row_length + cols.to(torch.int64)
-    return philox_uniform(seed, counters) >= dropout_p
+    """Boolean keep-mask (probability ``1 - dropout_p``, to within 2^-17) at broadcast ``rows`` x ``cols``."""
+    cols = cols.to(torch.int64)
+    groups_per_row = -(-row_length // KEYS_PER_CALL)
+    words = philox4x32(seed, offset + rows.to(torch.int64) * groups_per_row + cols // KEYS_PER_CALL)
+    lane = cols % KEYS_PER_CALL
+    word = torch.where(lane < 4, torch.where(lane < 2, words[0], words[1]), torch.where(lane < 6, words[2], words[3]))
+    u16 = (word >> (16 * (lane % 2))) & 0xFFFF
+    # u + 1/2 > p * 2^16 is u >= round(p * 2^16), compared exactly as the kernels do.
+    return u16.to(torch.float64) + 0.5 > keep_threshold(dropout_p)
 
 
 _captures: list[list] = []

@@ -106,27 +106,38 @@ def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
-def _dropout_scale(seed, rng_offset, rows, cols, rng_cols, dropout_p):
-    """1 / (1 - p) where a probability is kept, 0 where dropped: ``flashtile.dropout.keep_mask``.
+def _dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The (BLOCK_Q queries x BLOCK_K keys) tile from (row0, col0) of ``flashtile.dropout.keep_mask``,
+    as 1 / (1 - p) where a probability is kept and 0 where it is dropped.
 
-    Counter-based (Philox): the same (seed, offset, row, col) gives the same decision in the
-    forward and the backward, so the mask itself is never stored.
+    Counter-based (Philox): the same (seed, offset, row, key) gives the same decision in the
+    forward and in both backward kernels, so the mask itself is never stored.  One Philox call
+    yields four 32-bit words; each is cut into two 16-bit numbers, so a call serves 8
+    consecutive keys (``col0`` is a multiple of 8).  Ten Philox rounds per score were ~4x the
+    cost of the attention itself; per 8 scores they are a fraction of it.  Keeping a score
+    when its 16-bit number u satisfies u + 1/2 > p * 2^16 (p in float32) realises p to within 2^-17.
     """
-    counters = rng_offset + rows.to(tl.int64) * rng_cols + cols
-    keep = tl.rand(seed, counters) >= dropout_p
-    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+    groups_per_row = (rng_cols + 7) // 8
+    rows = (row0 + tl.arange(0, BLOCK_Q)).to(tl.int64)
+    groups = col0 // 8 + tl.arange(0, BLOCK_K // 8)
+    r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + rows[:, None] * groups_per_row + groups[None, :])
+    # Flattening the joined axes (last axis fastest) puts key 8g + j at word j // 2, half j % 2.
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    halves = tl.join(words & 0xFFFF, words >> 16)
+    u16 = tl.reshape(halves, [BLOCK_Q, BLOCK_K]).to(tl.float32)
+    # u16 >= round(p * 2^16), written so that both sides are exact in float32.
+    return tl.where(u16 + 0.5 > dropout_p * 65536.0, 1.0 / (1.0 - dropout_p), 0.0)
 
 
 @triton.jit
 def _recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_row, rng_cols,
+                 softcap_scale, softcap_log2, slope_log2,
                  MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """The backward's P = exp2(score - LSE) for a tile in either orientation, tanh, and the
-    dropout factor (kept: 1 / (1 - p), dropped: 0; 1 without dropout).
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """The backward's P = exp2(score - LSE) for a tile in either orientation, and tanh.
 
     ``q_idx``, ``k_idx`` and ``lse2`` (the LSE in log2 units, +inf for empty rows) are shaped
-    to broadcast to ``qk`` (see ``band_mask``); ``rng_row`` is the query rows' LSE row base.
+    to broadcast to ``qk`` (see ``band_mask``).
     """
     if HAS_SOFTCAP or HAS_ALIBI:
         s, tanh = _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
@@ -138,11 +149,7 @@ def _recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_le
     if MASKED:
         visible = band_mask(q_idx, k_idx, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
         p = tl.where(visible, p, 0.0)
-    if HAS_DROPOUT:
-        drop = _dropout_scale(seed, rng_offset, rng_row + q_idx, k_idx, rng_cols, dropout_p)
-    else:
-        drop = 1.0
-    return p, tanh, drop
+    return p, tanh
 
 
 @triton.jit
@@ -197,7 +204,7 @@ def _fwd_tiles(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped entries too
         if HAS_DROPOUT:
-            p = p * _dropout_scale(seed, rng_offset, rng_row + offs_m[:, None], offs_n[None, :], rng_cols, dropout_p)
+            p = p * _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N)
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -335,20 +342,27 @@ def _dkdv_tiles(
         do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         if KV_AS_B:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            p, tanh, drop = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
-                                         qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-                                         dropout_p, seed, rng_offset, row_base, rng_cols,
-                                         MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+                                   qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                                   MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+            if HAS_DROPOUT:
+                drop = _dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N)
+            else:
+                drop = 1.0
             dv = tl.dot(tl.trans((p * drop).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
         else:
             qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            pT, tanhT, dropT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
-                                            qk_scale, window_left, window_right, softcap_scale, softcap_log2,
-                                            slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
-                                            MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            pT, tanhT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
+                                     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
+                                     slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+            if HAS_DROPOUT:
+                dropT = tl.trans(_dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p,
+                                                BLOCK_M, BLOCK_N))
+            else:
+                dropT = 1.0
             dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             dsT = _softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
@@ -432,10 +446,13 @@ def _dq_tiles(
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        p, tanh, drop = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
-                                     qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-                                     dropout_p, seed, rng_offset, rng_row, rng_cols,
-                                     MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+        p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+                               qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                               MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_DROPOUT:
+            drop = _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N)
+        else:
+            drop = 1.0
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
