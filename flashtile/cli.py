@@ -1,8 +1,11 @@
-"""The ``flashtile`` command: ``flashtile info`` and ``flashtile bench``.
+"""The ``flashtile`` command: ``flashtile info``, ``flashtile bench`` and ``flashtile iomodel``.
 
     flashtile info                      versions, devices, and which backend will run
     flashtile bench [--device auto|cpu|cuda] [--out DIR] [--seqlens N ...] [--headdim D]
                     [--batch B] [--nheads H] [--causal] [--compare LIST] [--quick]
+    flashtile iomodel [--seqlens N ...] [--headdim D] [--batch B] [--nheads H] [--nheads-k HK]
+                    [--causal] [--dtype bf16|fp16|fp32] [--figure2]
+                                        predicted HBM bytes, naive vs flashtile (flashtile/iomodel.py)
 
 ``python -m flashtile ...`` is the same.
 """
@@ -138,6 +141,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+IOMODEL_SEQLENS = (1024, 4096, 16384)
+
+
+def cmd_iomodel(args: argparse.Namespace) -> int:
+    from flashtile import iomodel
+
+    try:
+        if args.figure2:
+            print(iomodel.format_figure2())
+            print()
+        tiles = iomodel.kernel_tiles(args.headdim, args.dtype, args.causal)
+        rows = []
+        for n in args.seqlens or IOMODEL_SEQLENS:
+            shape = iomodel.AttentionShape(args.batch, args.nheads, n, args.headdim, nheads_k=args.nheads_k,
+                                           causal=args.causal, dtype=args.dtype)
+            for mode in ("fwd", "bwd"):
+                naive = iomodel.predict("naive", mode, shape, "ideal_l2").total_bytes
+                upper = iomodel.predict("flashtile", mode, shape, "no_l2", tiles).total_bytes
+                lower = iomodel.predict("flashtile", mode, shape, "ideal_l2", tiles).total_bytes
+                rows.append((mode, n, naive, upper, lower))
+    except (ValueError, RuntimeError) as e:
+        print(f"flashtile iomodel: {e}", file=sys.stderr)
+        return 2
+    kv = f" (kv {args.nheads_k})" if args.nheads_k not in (None, args.nheads) else ""
+    print(f"Predicted HBM bytes read + written (1 GB = 1e9 B): batch {args.batch}, {args.nheads} heads{kv}, "
+          f"d={args.headdim}, {iomodel.dtype_name(args.dtype)}, {'causal' if args.causal else 'non-causal'}")
+    print(f"flashtile tiles: {tiles.describe()}")
+    print("flashtile no-L2: every tile load from HBM (upper bound); ideal-L2: each tensor read once (lower bound)")
+    print("naive: torch ops (GEMM, scale, fp32 softmax, casts, GEMM), each tensor read once per kernel")
+    header = f"{'mode':<5} {'N':>6}  {'naive':>10}  {'flashtile no-L2':>16}  {'ideal-L2':>10}  {'naive / no-L2':>13}  {'naive / ideal':>13}"
+    print(header)
+    for mode, n, naive, upper, lower in rows:
+        print(f"{mode:<5} {n:>6}  {iomodel.format_bytes(naive):>10}  {iomodel.format_bytes(upper):>16}  "
+              f"{iomodel.format_bytes(lower):>10}  {naive / upper:>12.1f}x  {naive / lower:>12.1f}x")
+    return 0
+
+
 class _Given(argparse.Action):
     """Store the value and remember that the option was given on the command line."""
 
@@ -148,7 +188,7 @@ class _Given(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtile", description="IO-aware exact attention: info and benchmarks.")
-    sub = parser.add_subparsers(dest="command", metavar="{info,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench,iomodel}")
 
     p_info = sub.add_parser("info", help="print versions, devices and the backend flash_attn_func will use")
     p_info.set_defaults(func=cmd_info)
@@ -173,6 +213,26 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--quick", action="store_true", help="one timed repeat per case (smoke test)")
     p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_bench.set_defaults(func=cmd_bench, headdim_given=False, batch_given=False, nheads_given=False)
+
+    p_io = sub.add_parser(
+        "iomodel",
+        help="predicted HBM traffic: naive attention vs flashtile's kernels (no GPU needed)",
+        description=(
+            "Print the HBM bytes read + written that flashtile/iomodel.py predicts for naive attention "
+            "and for flashtile's Triton kernels (with their real tile sizes), forward and backward."
+        ),
+    )
+    p_io.add_argument("--seqlens", metavar="N", type=int, nargs="+", default=None,
+                      help=f"sequence lengths (default {' '.join(map(str, IOMODEL_SEQLENS))})")
+    p_io.add_argument("--headdim", type=int, default=64)
+    p_io.add_argument("--batch", type=int, default=1)
+    p_io.add_argument("--nheads", type=int, default=16)
+    p_io.add_argument("--nheads-k", type=int, default=None, help="kv heads (GQA); default: --nheads")
+    p_io.add_argument("--causal", action="store_true", help="causal (bottom-right) mask")
+    p_io.add_argument("--dtype", default="bfloat16", help="bf16 / bfloat16 (default), fp16 / float16, fp32 / float32")
+    p_io.add_argument("--figure2", action="store_true",
+                      help="also print the FlashAttention paper's Figure 2 comparison (GPT-2 medium on an A100)")
+    p_io.set_defaults(func=cmd_iomodel)
     return parser
 
 
