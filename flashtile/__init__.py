@@ -1,11 +1,12 @@
 """flashtile: IO-aware exact attention and softmax kernels (Triton on GPU, PyTorch on CPU)."""
 
-from flashtile import distributed, dropout
+from flashtile import distributed, dropout, fp8
 from flashtile.interface import flash_attn_func, flash_attn_varlen_func
 from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.merging import merge_attention_states
 from flashtile.padding import pad_input, unpad_input
 from flashtile.sdpa import scaled_dot_product_attention
+from flashtile.fp8 import flash_attn_fp8_func, quantize_fp8
 from flashtile.ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -14,6 +15,8 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "flash_attn_fp8_func",
+    "quantize_fp8",
     "merge_attention_states",
     "scaled_dot_product_attention",
     "unpad_input",
@@ -22,5 +25,6 @@ __all__ = [
     "log_softmax",
     "distributed",
     "dropout",
+    "fp8",
     "__version__",
 ]

@@ -1,0 +1,274 @@
+"""FP8 attention forward vs flashtile's bf16 forward on a CUDA GPU, TFLOP/s (docs/fp8.md).
+
+Shapes follow the standard attention benchmark (``flashtile.bench.gpu``): ``batch * seqlen =
+16384``, ``nheads * headdim = 2048``; FLOPs ``4 * batch * nheads * seqlen^2 * headdim``, halved
+when causal; medians of ``triton.testing.do_bench``.  Implementations:
+
+* ``bf16`` -- ``flashtile.flash_attn_func`` on bf16 inputs;
+* ``fp8`` -- ``flashtile.fp8.flash_attn_fp8_func`` on flash-attn-layout V (what a caller pays);
+* ``fp8_pretransposed`` -- the FP8 kernel alone, V already ``(batch, nheads_k, headdim, seqlen)``;
+* ``fp8_v_in_kernel`` -- the FP8 kernel on flash-attn-layout V, each V tile transposed in
+  shared memory inside the loop (no host pass);
+* ``v_transpose`` -- the host transpose alone (ms only), ``flashtile.fp8.transpose_v``.
+
+``fp8_pretransposed + v_transpose`` against ``fp8_v_in_kernel`` is the V-layout decision of
+docs/fp8.md.  ``--tiles BM,BN,warps,stages ...`` also times both kernel variants with each
+of these tile configurations (every kernel record carries ``tiles``, and ``default_tiles``
+for the default one), so one GPU call tunes the table in
+``flashtile/kernels/attention_fp8.py``.  Every FP8 configuration is first checked against
+the bf16 kernel on the dequantised inputs (``rel_err``, relative RMS; > 0.05 is flagged
+``BAD``: a miscompiled configuration must not win the sweep).  ``--ptxas`` compiles the
+configurations for sm_90 here, without a GPU, and prints registers, spills and the FP8
+wgmma (``QGMMA``) instructions instead of timing.
+
+    python benchmarks/bench_fp8.py --out benchmarks/results
+    python benchmarks/bench_fp8.py --headdims 128 --seqlens 16384 --tiles 128,128,8,3 128,128,8,2 --out /tmp/r
+    python benchmarks/bench_fp8.py --ptxas --headdims 64 128 256 --tiles 128,128,8,3 128,64,8,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import torch
+
+SEQLENS = (1024, 2048, 4096, 8192, 16384)
+HEADDIMS = (64, 128, 256)
+IMPLS = ("bf16", "fp8", "fp8_pretransposed", "fp8_v_in_kernel", "v_transpose")
+CHECK_LIMIT = 0.05  # relative RMS vs bf16; FP8 itself is ~0.02 at these shapes
+
+
+def parse_tiles(text: str):
+    from flashtile.kernels.attention import _Config
+
+    bm, bn, warps, stages = (int(x) for x in text.split(","))
+    return _Config(bm, bn, warps, stages)
+
+
+def _tiles_label(cfg) -> str:
+    return f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+
+
+def _inputs(batch, seqlen, nheads, nheads_k, headdim):
+    from flashtile.fp8 import quantize_fp8, transpose_v
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, seqlen, h, headdim, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for h in (nheads, nheads_k, nheads_k))
+    (q8, qd), (k8, kd), (v8, vd) = quantize_fp8(q), quantize_fp8(k), quantize_fp8(v)
+    return (q, k, v), (q8, k8, v8, qd, kd, vd), transpose_v(v8)
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True):
+    import triton
+
+    import flashtile
+    from flashtile.bench.common import environment
+    from flashtile.bench.gpu import attention_flops
+    from flashtile.fp8 import flash_attn_fp8_func, transpose_v
+    from flashtile.kernels.attention_fp8 import (
+        attention_fp8_forward,
+        fwd_config,
+        padded_headdim,
+    )
+
+    env = environment("cuda")
+    records = []
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+    for headdim in headdims:
+        for seqlen in seqlens:
+            batch, nheads = max(1, 16384 // seqlen), 2048 // headdim
+            nheads_k = max(1, nheads // nheads_k_div)
+            (q, k, v), (q8, k8, v8, qd, kd, vd), v_t = _inputs(batch, seqlen, nheads, nheads_k, headdim)
+            # The bf16 kernel on the dequantised inputs: the check for every FP8 configuration.
+            deq = [(x.float() * d).to(torch.bfloat16) for x, d in ((q8, qd), (k8, kd), (v8, vd))]
+            for causal in causals:
+                causal = bool(causal)
+                base = {"bench": "attention_fp8", "mode": "fwd", "batch": batch, "nheads": nheads,
+                        "nheads_k": nheads_k, "seqlen_q": seqlen, "seqlen_k": seqlen, "headdim": headdim,
+                        "causal": causal}
+                flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd")
+                check = flashtile.flash_attn_func(*deq, causal=causal)
+                scale = headdim ** -0.5
+                runs = []
+                if "bf16" in impls:
+                    runs.append(("bf16", "bfloat16", None, partial(flashtile.flash_attn_func, q, k, v, causal=causal)))
+                if "fp8" in impls:
+                    runs.append(("fp8", "float8_e4m3fn", None,
+                                 partial(flash_attn_fp8_func, q8, k8, v8, qd, kd, vd, causal=causal)))
+                # The default configuration always (default_tiles=True), then the sweep's others.
+                default = _tiles_label(fwd_config(padded_headdim(headdim), causal))
+                configs = [None, *(t for t in tiles or [] if _tiles_label(t) != default)]
+                for impl, v_in in (("fp8_pretransposed", v_t), ("fp8_v_in_kernel", v8)):
+                    if impl not in impls:
+                        continue
+                    for cfg in configs:
+                        kernel = partial(attention_fp8_forward, q8, k8, v_in, qd, kd, vd, scale, causal=causal,
+                                         v_transposed=v_in is v_t, config=cfg)
+                        runs.append((impl, "float8_e4m3fn", cfg, kernel))
+                if "v_transpose" in impls:
+                    runs.append(("v_transpose", "float8_e4m3fn", None, partial(transpose_v, v8)))
+                for impl, dtype, cfg, fn in runs:
+                    rec = {**base, "impl": impl, "dtype": dtype}
+                    if impl in ("fp8_pretransposed", "fp8_v_in_kernel"):
+                        rec["tiles"] = _tiles_label(cfg) if cfg is not None else default
+                        rec["default_tiles"] = cfg is None
+                    try:
+                        out = fn()
+                        out = out[0] if isinstance(out, tuple) else out
+                        if impl.startswith("fp8"):
+                            rec["rel_err"] = _rel_rms(out, check)
+                        ms = bench(fn)
+                    except Exception as e:  # noqa: BLE001 - a failing tile config is recorded, the sweep goes on
+                        print(f"{impl} d={headdim} n={seqlen} causal={causal} {rec.get('tiles', '')}: "
+                              f"{type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+                        continue
+                    rec.update(ms=ms, tflops=None if impl == "v_transpose" else flops / ms * 1e-9, **env)
+                    records.append(rec)
+                    if progress:
+                        _print_record(rec)
+    return records
+
+
+def _print_record(r):
+    flag = "BAD " if r.get("rel_err", 0) > CHECK_LIMIT else ""
+    tf = f"{r['tflops']:7.1f} TFLOP/s" if r["tflops"] is not None else " " * 15
+    err = f" rel_err {r['rel_err']:.1e}" if "rel_err" in r else ""
+    print(f"{flag}{r['impl']:18s} d={r['headdim']:3d} n={r['seqlen_q']:5d} b={r['batch']:2d} h={r['nheads']}/{r['nheads_k']} "
+          f"causal={int(r['causal'])} {r.get('tiles', ''):12s} {r['ms']:8.3f} ms {tf}{err}", flush=True)
+
+
+def print_summary(records):
+    """fp8 / bf16 speed-up per shape (default configs), the headline of docs/fp8.md."""
+    by = collections.defaultdict(dict)
+    for r in records:
+        if r.get("default_tiles", True):
+            by[(r["headdim"], r["seqlen_q"], r["causal"])][r["impl"]] = r["ms"] if r["impl"] == "v_transpose" else r["tflops"]
+    nan = float("nan")
+    print("\nTFLOP/s (v_transpose: ms)")
+    print("headdim seqlen causal |   bf16    fp8 | fp8 pre-T  fp8 V-in-kernel  v_transpose ms | fp8/bf16")
+    for (d, n, c), t in sorted(by.items()):
+        ratio = t["fp8"] / t["bf16"] if "fp8" in t and "bf16" in t else nan
+        print(f"{d:7d} {n:6d} {int(c):6d} | {t.get('bf16', nan):6.1f} {t.get('fp8', nan):6.1f} | "
+              f"{t.get('fp8_pretransposed', nan):9.1f} {t.get('fp8_v_in_kernel', nan):16.1f} "
+              f"{t.get('v_transpose', nan):14.3f} | {ratio:.2f}x")
+
+
+# --------------------------------------------------------------------------------------
+# Offline sm_90 compile report (no GPU)
+# --------------------------------------------------------------------------------------
+
+
+def compile_sm90(cfg, headdim_pad: int, causal: bool, offset: int = 8, v_transposed: bool = True):
+    """Compile the FP8 kernel for sm_90 on any machine (Triton ships ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from flashtile.kernels import attention_fp8 as kf8
+
+    bm, bn, hd = cfg.block_m, cfg.block_n, headdim_pad
+    sig = {"Q_desc": f"tensordesc<fp8e4nv[1, {bm}, 1, {hd}]>", "K_desc": f"tensordesc<fp8e4nv[1, {bn}, 1, {hd}]>",
+           "V_desc": (f"tensordesc<fp8e4nv[1, 1, {hd}, {bn}]>" if v_transposed
+                      else f"tensordesc<fp8e4nv[1, {bn}, 1, {hd}]>"), "O_desc": f"tensordesc<bf16[1, {bm}, 1, {hd}]>",
+           "LSE": "*fp32", "Q_DESCALE": "*fp32", "K_DESCALE": "*fp32", "V_DESCALE": "*fp32",
+           "softmax_scale_log2": "fp32"}
+    for name in ("stride_qdb", "stride_qdh", "stride_kdb", "stride_kdh", "stride_vdb", "stride_vdh",
+                 "seqlen_q", "seqlen_k", "nheads", "group"):
+        sig[name] = "i32"
+    consts = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": causal, "OFFSET": offset,
+              "V_TRANSPOSED": v_transposed, "EXACT_ROUNDING": False}
+    sig.update({name: "constexpr" for name in consts})
+    src = triton.compiler.ASTSource(fn=kf8._attn_fwd_fp8, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def ptxas_report(kernel) -> dict:
+    """ptxas registers / spills and the SASS's FP8 wgmma (QGMMA) instructions by variant."""
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        Path(ptx).write_text(kernel.asm["ptx"])
+        r = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                           capture_output=True, text=True, check=False)
+        Path(cubin).write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=False).stdout
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else None,
+            "spill_loads": int(spills.group(2)) if spills else None,
+            "gmma": dict(collections.Counter(re.findall(r"\b[HQI]GMMA\.[\w.]+", sass))),
+            "fp8_casts": len(re.findall(r"F2FP\.SATFINITE\.E4M3", sass))}
+
+
+def ptxas_main(tiles, headdims, causals):
+    from flashtile.kernels.attention_fp8 import fwd_config, padded_headdim
+
+    for d in headdims:
+        hd = padded_headdim(d)
+        for causal in causals:
+            for cfg in tiles or [None]:
+                cfg = cfg or fwd_config(hd, bool(causal), interpret=False)
+                rep = ptxas_report(compile_sm90(cfg, hd, bool(causal)))
+                print(f"fp8 fwd d={d} causal={causal} tiles={_tiles_label(cfg)}: {rep}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results", help="directory for attention_fp8.jsonl")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=list(SEQLENS))
+    ap.add_argument("--headdims", type=int, nargs="+", default=list(HEADDIMS))
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--tiles", nargs="+", type=parse_tiles, default=None,
+                    help="BLOCK_M,BLOCK_N,warps,stages configurations to sweep for the two kernel variants")
+    ap.add_argument("--gqa", type=int, default=1, help="nheads / nheads_k (default 1: MHA)")
+    ap.add_argument("--ptxas", action="store_true", help="compile for sm_90 offline and report; no GPU needed")
+    args = ap.parse_args()
+    if args.ptxas:
+        ptxas_main(args.tiles, args.headdims, args.causal)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench_fp8.py times a CUDA GPU (use --ptxas for the offline compile report)")
+    impls = tuple(s.strip() for s in args.impls.split(",") if s.strip())
+    unknown = set(impls) - set(IMPLS)
+    if unknown:
+        sys.exit(f"unknown --impls {sorted(unknown)}; choose from {', '.join(IMPLS)}")
+    from flashtile.bench.common import write_jsonl
+
+    records = run(args.seqlens, args.headdims, args.causal, impls, args.tiles, args.gqa)
+    path = write_jsonl(Path(args.out) / "attention_fp8.jsonl", records)
+    print_summary(records)
+    best = {}
+    for r in records:
+        if "tiles" in r and r["rel_err"] <= CHECK_LIMIT:
+            key = (r["impl"], r["headdim"], r["seqlen_q"], r["causal"])
+            if key not in best or r["tflops"] > best[key]["tflops"]:
+                best[key] = r
+    for (impl, d, n, c), r in sorted(best.items()):
+        print(f"best tiles {impl} d={d} n={n} causal={int(c)}: {r['tiles']} {r['tflops']:.1f} TFLOP/s")
+    print(f"{len(records)} records appended to {path}")
+
+
+if __name__ == "__main__":
+    main()

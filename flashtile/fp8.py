@@ -1,0 +1,300 @@
+"""FP8 (e4m3) attention forward and the quantiser that feeds it.
+
+``flash_attn_fp8_func`` follows flash-attn 3's FP8 interface: ``torch.float8_e4m3fn`` q, k, v
+in flash-attn's layout, fp32 descale factors per tensor ``(1,)`` or per (batch, kv head)
+``(batch, nheads_k)`` -- the real value of a stored element is ``element * descale`` -- and
+a bf16 output.  Forward only: the result is detached (no autograd).  docs/fp8.md explains the
+kernel (the max-offset trick, the transposed V) and the measurements behind its choices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashtile.ops.validation import MAX_HEADDIM
+
+__all__ = ["E4M3_MAX", "flash_attn_fp8_func", "quantize_fp8", "transpose_v"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+# The largest finite e4m3fn value (1.110b * 2^8): quantize_fp8 maps each group's amax here
+# so the group uses the format's whole range, and no finite input can overflow to NaN.
+E4M3_MAX = 448.0
+_GRANULARITIES = ("tensor", "head", "block")
+# Where flash-attn-layout V gets its keys-contiguous layout (docs/fp8.md, "V layout").  A host
+# transpose costs two passes of V through HBM, once per call; the kernel's own transpose costs
+# shared-memory traffic each time a query tile reads a V tile, i.e. seqlen_q / BLOCK_M * group
+# times.  The host pass is a share ~ F / (2 * BW * group * seqlen_q) of the attention (F the
+# FP8 attention rate, BW the copy bandwidth), the in-kernel one a fixed share per tile: the
+# host pays off once seqlen_q * group is large.  Crossover estimated, to be set from
+# benchmarks/bench_fp8.py (fp8_pretransposed + v_transpose against fp8_v_in_kernel).
+HOST_TRANSPOSE_MIN_ROWS = 2048
+
+
+def transpose_v(v: torch.Tensor) -> torch.Tensor:
+    """``(batch, seqlen_k, nheads_k, headdim)`` -> ``(batch, nheads_k, headdim, seqlen_k)``, keys contiguous.
+
+    The layout the FP8 kernel reads V in (Hopper's FP8 tensor cores take only K-major
+    operands, and P @ V contracts over keys).  ``flash_attn_fp8_func`` transposes V itself
+    unless it is given ``v_transposed=True``; a caller that keeps V (a KV cache) in this
+    layout saves that work on every call.  The result is a view of a buffer
+    whose rows are padded to a multiple of 16 keys: a TMA descriptor needs every stride but
+    the last to be a multiple of 16 bytes.
+    """
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v must be a torch.Tensor (batch, seqlen_k, nheads_k, headdim), got {type(v).__name__}")
+    if v.dim() != 4:
+        raise ValueError(f"v must have 4 dimensions (batch, seqlen_k, nheads_k, headdim), got shape {tuple(v.shape)}")
+    batch, seqlen_k, nheads_k, headdim = v.shape
+    padded = -(-seqlen_k // 16) * 16
+    buf = torch.empty(batch, nheads_k, headdim, padded, dtype=v.dtype, device=v.device)
+    out = buf[..., :seqlen_k]
+    out.copy_(v.permute(0, 2, 3, 1))
+    return out
+
+
+def _tma_ready_vt(v_t: torch.Tensor) -> torch.Tensor:
+    """A transposed V whose base and outer strides are 16-byte aligned (TMA), copied only if needed."""
+    ok = (v_t.stride(-1) == 1 and v_t.data_ptr() % 16 == 0
+          and all((s * v_t.element_size()) % 16 == 0 for s in v_t.stride()[:-1]))
+    return v_t if ok else transpose_v(v_t.permute(0, 3, 1, 2))
+
+
+# --------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------
+
+
+def _check_fp8_tensor(name: str, t, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {tuple(t.shape)}")
+    if t.dtype != FP8_DTYPE:
+        raise ValueError(
+            f"{name} must have dtype torch.float8_e4m3fn (see flashtile.quantize_fp8), got {t.dtype}"
+        )
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_descale(name: str, descale, batch: int, nheads_k: int, device) -> torch.Tensor:
+    """None -> ones(1); otherwise fp32 ``(1,)`` or ``(batch, nheads_k)`` on the inputs' device."""
+    if descale is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if not isinstance(descale, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(descale).__name__}")
+    if descale.dtype != torch.float32:
+        raise ValueError(f"{name} must be torch.float32, got {descale.dtype}")
+    if descale.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {descale.device}")
+    if tuple(descale.shape) not in ((1,), (batch, nheads_k)):
+        raise ValueError(
+            f"{name} must have shape (1,) (per tensor) or (batch, nheads_k) = {(batch, nheads_k)}, "
+            f"got {tuple(descale.shape)}"
+        )
+    # The kernels take the row max of raw scores times the scale, which is the max of the
+    # scaled scores only for a positive scale.  Checked where it costs no device sync.
+    if descale.device.type == "cpu" and not bool(((descale > 0) & torch.isfinite(descale)).all()):
+        raise ValueError(f"{name} must be positive and finite, got {descale.tolist()}")
+    return descale.detach()
+
+
+def _check_inputs(q, k, v, v_transposed):
+    _check_fp8_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
+    _check_fp8_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
+    v_layout = "(batch, nheads_k, headdim, seqlen_k)" if v_transposed else "(batch, seqlen_k, nheads_k, headdim)"
+    _check_fp8_tensor("v", v, v_layout)
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q must be on a cpu or cuda device, got {q.device}")
+    batch, _, nheads, headdim = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
+    if k.shape[-1] != headdim:
+        raise ValueError(f"q and k must have the same head dimension, got {headdim} and {k.shape[-1]}")
+    expected_v = (batch, nheads_k, headdim, seqlen_k) if v_transposed else tuple(k.shape)
+    if tuple(v.shape) != expected_v:
+        raise ValueError(f"v must have shape {v_layout} = {expected_v}, got {tuple(v.shape)}")
+    if headdim % 16 != 0 or not 16 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"head dimension must be a multiple of 16 between 16 and {MAX_HEADDIM}, got {headdim}")
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k}) (GQA/MQA)")
+
+
+def _check_scale(softmax_scale, headdim: int) -> float:
+    if softmax_scale is None:
+        return headdim ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a finite float > 0 or None, got {type(softmax_scale).__name__}")
+    softmax_scale = float(softmax_scale)
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite float > 0 or None, got {softmax_scale}")
+    return softmax_scale
+
+
+# --------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------
+
+
+def _dequantize(x: torch.Tensor, descale: torch.Tensor, heads_per_descale: int) -> torch.Tensor:
+    """fp32 ``x * descale`` for ``(batch, seqlen, heads, d)``; ``(batch, nheads_k)`` descales
+    cover ``heads_per_descale`` consecutive heads each."""
+    if descale.dim() == 2:
+        descale = descale.repeat_interleave(heads_per_descale, dim=1)[:, None, :, None]
+    return x.to(torch.float32) * descale
+
+
+def flash_attn_fp8_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    return_lse: bool = False,
+    max_offset: bool = True,
+    *,
+    v_transposed: bool = False,
+):
+    """Attention on FP8 inputs: ``softmax(Q K^T * softmax_scale) V`` with ``Q = q * q_descale`` etc.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``, ``torch.float8_e4m3fn``; headdim a multiple
+            of 16, at most 256.
+        k, v: ``(batch, seqlen_k, nheads_k, headdim)``, ``torch.float8_e4m3fn``;
+            ``nheads % nheads_k == 0`` (GQA/MQA: query head ``h`` reads kv head
+            ``h // (nheads // nheads_k)``).  With ``v_transposed=True``, ``v`` is
+            ``(batch, nheads_k, headdim, seqlen_k)`` (see :func:`transpose_v`), the layout
+            the FP8 tensor cores read; otherwise it is transposed per call, on the host for
+            long query runs, tile by tile inside the kernel for short ones (docs/fp8.md).
+        q_descale, k_descale, v_descale: float32 ``(1,)`` or ``(batch, nheads_k)``, positive
+            (None = 1).  ``q_descale`` is per kv-head group too: query head ``h`` uses
+            ``q_descale[b, h // (nheads // nheads_k)]``, as in flash-attn 3.
+        softmax_scale: default ``headdim ** -0.5``.
+        causal: bottom-right aligned causal mask (query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q``); a row that sees no key gives 0 and LSE -inf.
+        return_lse: also return the log-sum-exp (natural log) of the scaled scores, float32
+            ``(batch, nheads, seqlen_q)``.
+        max_offset: scale the probabilities by 2^8 before their FP8 cast (FlashAttention-3's
+            trick, docs/fp8.md); False only to measure what it buys.  No effect on the CPU.
+
+    Returns:
+        ``out`` bfloat16 ``(batch, seqlen_q, nheads, headdim)``, or ``(out, lse)``.  Detached:
+        forward only.
+
+    CUDA tensors run the Triton FP8 kernel (both GEMMs on FP8 tensor cores, P rounded to
+    e4m3); CPU tensors dequantise to float32 and run the tiled CPU attention, which does not
+    round P -- the value the GPU result approximates.
+    """
+    v_transposed = _check_bool("v_transposed", v_transposed)
+    _check_inputs(q, k, v, v_transposed)
+    batch, _, nheads, headdim = q.shape
+    nheads_k = k.shape[2]
+    q_descale = _check_descale("q_descale", q_descale, batch, nheads_k, q.device)
+    k_descale = _check_descale("k_descale", k_descale, batch, nheads_k, q.device)
+    v_descale = _check_descale("v_descale", v_descale, batch, nheads_k, q.device)
+    softmax_scale = _check_scale(softmax_scale, headdim)
+    causal = _check_bool("causal", causal)
+    return_lse = _check_bool("return_lse", return_lse)
+    max_offset = _check_bool("max_offset", max_offset)
+
+    with torch.no_grad():
+        if q.device.type == "cuda":
+            from flashtile.kernels.attention_fp8 import attention_fp8_forward
+
+            if v_transposed:
+                v = _tma_ready_vt(v)
+            elif q.shape[1] * (nheads // nheads_k) >= HOST_TRANSPOSE_MIN_ROWS:
+                v, v_transposed = transpose_v(v), True
+            out, lse = attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
+                                             causal=causal, max_offset=max_offset, v_transposed=v_transposed)
+        else:
+            from flashtile import cpu
+
+            if v_transposed:
+                v = v.permute(0, 3, 1, 2)
+            group = nheads // nheads_k
+            out, lse = cpu.attention_forward(
+                _dequantize(q, q_descale, group), _dequantize(k, k_descale, 1), _dequantize(v, v_descale, 1),
+                softmax_scale, -1, 0 if causal else -1,
+            )
+            out = out.to(torch.bfloat16)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------
+# Quantisation
+# --------------------------------------------------------------------------------------
+
+
+def quantize_fp8(x: torch.Tensor, granularity: str = "tensor", nheads_k: int | None = None):
+    """Quantise ``(batch, seqlen, nheads, headdim)`` bf16/fp16/fp32 to e4m3: ``(x_fp8, descale)``.
+
+    Each group's largest magnitude is scaled to 448, e4m3's largest finite value, so the
+    group spans the format's whole range (values below 2^-6 * amax / 448 lose precision to
+    subnormals); ``x ~= x_fp8.float() * descale`` with fp32 ``descale = amax / 448`` (1 for an
+    all-zero group).  Elements round to nearest: relative error <= 2^-4 on normal numbers.
+
+    Args:
+        x: bfloat16, float16 or float32 ``(batch, seqlen, nheads, headdim)``.
+        granularity: ``"tensor"`` -- one scale, descale ``(1,)``; ``"head"`` -- one scale per
+            (batch, kv head), descale ``(batch, nheads_k)``, the per-head form
+            :func:`flash_attn_fp8_func` accepts.  ``"block"`` (per token block) is not
+            implemented: e4m3 is a floating-point format, its relative precision does not
+            depend on the scale, and in emulation block scales changed the attention error
+            by a median 0-5 % (docs/fp8.md).
+        nheads_k: for ``"head"``: the number of kv heads.  Quantising q for GQA, pass
+            ``k.shape[2]``: the query heads of one group then share a scale, as the kernel's
+            ``q_descale (batch, nheads_k)`` requires.  Default ``x.shape[2]``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor (batch, seqlen, nheads, headdim), got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be torch.bfloat16, torch.float16 or torch.float32, got {x.dtype}")
+    if not isinstance(granularity, str):
+        raise TypeError(f"granularity must be a str, one of {_GRANULARITIES}, got {type(granularity).__name__}")
+    if granularity not in _GRANULARITIES:
+        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+    if granularity == "block":
+        raise NotImplementedError(
+            "granularity='block' is not implemented: per-token-block scales did not lower the FP8 attention "
+            "error measurably (median 0-5 % over seeds, docs/fp8.md); use 'tensor' or 'head'"
+        )
+    batch, seqlen, nheads, headdim = x.shape
+    if nheads_k is None:
+        nheads_k = nheads
+    if isinstance(nheads_k, bool) or not isinstance(nheads_k, int):
+        raise TypeError(f"nheads_k must be an int or None, got {type(nheads_k).__name__}")
+    if nheads_k <= 0 or nheads % nheads_k != 0:
+        raise ValueError(f"nheads_k must be a positive divisor of x's nheads ({nheads}), got {nheads_k}")
+    if granularity == "tensor" and nheads_k != nheads:
+        raise ValueError("nheads_k applies to granularity='head' only")
+
+    xf = x.detach().to(torch.float32)
+    if granularity == "tensor":
+        amax = xf.abs().amax().reshape(1)
+        broadcast = amax
+    else:
+        grouped = xf.reshape(batch, seqlen, nheads_k, nheads // nheads_k, headdim)
+        amax = grouped.abs().amax(dim=(1, 3, 4))  # (batch, nheads_k)
+        broadcast = amax.repeat_interleave(nheads // nheads_k, dim=1)[:, None, :, None]
+    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    bdescale = torch.where(broadcast > 0, broadcast / E4M3_MAX, torch.ones_like(broadcast))
+    # Clamped: amax / descale can round to a hair above 448, which e4m3fn would turn into NaN.
+    x_fp8 = (xf / bdescale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return x_fp8, descale.to(torch.float32).contiguous()

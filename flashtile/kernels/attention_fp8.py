@@ -1,0 +1,255 @@
+"""FlashAttention forward on FP8 (e4m3) inputs, with FlashAttention-3's max-offset trick.
+
+Same structure as the bf16/fp16 forward in ``attention.py`` -- one program per (query tile,
+batch * head), K/V tiles streamed by TMA, an online softmax with deferred normalisation,
+tile skipping for causal masks through ``masking.py`` -- with three differences:
+
+* **Both GEMMs run on FP8 tensor cores.**  Q and K arrive in e4m3; the probabilities P are
+  cast to e4m3 for the P @ V product.  The per-tensor or per-(batch, kv-head) descale
+  factors never touch the tiles: ``q_descale * k_descale * softmax_scale * log2(e)`` is the
+  one scale of the FMA that turns raw scores into exp2 arguments, and ``v_descale`` joins
+  the ``1 / l`` of the final normalisation.
+* **The max offset.**  ``exp(s - m)`` lies in [0, 1], the bottom of e4m3's range, where its
+  subnormals hold only 3, 2, 1 significant bits and anything below 2^-10 is 0.  Adding
+  ``MAX_OFFSET = 8`` to the exp2 argument computes ``P * 2^8`` instead: [0, 256] keeps the
+  row's large probabilities on normal numbers and moves the subnormal cliff down to 2^-14
+  of the row maximum.  256 = 2^8 is the largest power of two below e4m3's maximum of 448,
+  so the biggest P is still exact and nothing saturates.  The row sum ``l`` accumulates the
+  same scaled values in fp32, so ``O = acc / l`` is unchanged and the LSE subtracts the
+  offset back out.
+* **V's layout.**  Hopper's FP8 wgmma takes both operands K-major (the contraction
+  dimension contiguous in shared memory).  For ``P @ V`` the contraction runs over keys, so
+  the kernel wants V as ``(batch, nheads_k, headdim, seqlen_k)`` (``V_TRANSPOSED``;
+  ``flashtile.fp8.transpose_v`` makes it, one pass over V).  Given flash-attn's layout
+  instead, Triton transposes every V tile through registers into shared memory inside the
+  loop, once per query tile that reads it; docs/fp8.md compares the two.
+
+Outputs: ``out`` bf16 ``(batch, seqlen_q, nheads, headdim)``, LSE fp32 natural log
+``(batch, nheads, seqlen_q)`` -- the bf16 kernel's conventions, an empty row giving 0 and -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashtile.kernels.attention import (
+    LOG2E,
+    _Config,
+    _descriptor,
+    _tile_and_head,
+    _tma_ready,
+)
+from flashtile.kernels.masking import band_mask, key_tiles
+from flashtile.kernels.runtime import INTERPRET
+
+# e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; exponent 1111 with
+# mantissa 111 is NaN, so the largest finite value is 1.110b * 2^8 = 448.
+E4M3_MAX = 448.0
+# log2 of the factor P is scaled by before its cast: 2^8 = 256 <= 448 (see the module docstring).
+MAX_OFFSET = 8
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` rounded to the nearest e4m3 value (ties to even), saturated at +-448, still fp32.
+
+    Only for Triton's interpreter: its fp32 -> e4m3 cast (Triton 3.6) truncates instead of
+    rounding, mis-carries into the exponent (124.5 -> 64) and flushes subnormals, while the
+    GPU's ``cvt.rn.satfinite`` rounds to nearest even and saturates.  Casting a value that
+    is already on the e4m3 grid is exact in both, so rounding here first makes the
+    interpreter compute what the hardware computes.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    # Spacing of e4m3 values near x: 2^(e - 3) for normals, 2^-9 (the subnormal step) below 2^-6.
+    ulp_exponent = tl.maximum(exponent, -6) - 3
+    # Adding then subtracting 1.5 * 2^23 * ulp rounds to a multiple of ulp, ties to even,
+    # in fp32 arithmetic (|x| < 2^4 * ulp here, far inside the trick's 2^22 * ulp range).
+    magic = ((ulp_exponent + 23 + 127) << 23).to(tl.float32, bitcast=True) * 1.5
+    rounded = (x + magic) - magic
+    return tl.minimum(tl.maximum(rounded, -448.0), 448.0)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """``x`` rounded to the nearest bfloat16 (ties to even), still fp32; finite ``x`` only.
+
+    Only for the interpreter, whose fp32 -> bf16 cast truncates toward zero (a bias of half
+    an ulp, visible in the tests' error statistics) where the GPU rounds to nearest even.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    # Adding 0x7FFF plus the lowest kept bit, then dropping the low 16 bits, rounds ties to even.
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(x, EXACT_ROUNDING: tl.constexpr):
+    if EXACT_ROUNDING:
+        x = _round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_bf16(x, EXACT_ROUNDING: tl.constexpr):
+    if EXACT_ROUNDING:
+        x = _round_to_bf16(x)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _fp8_fwd_tiles(
+    acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, start, end, seqlen_q, seqlen_k, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, OFFSET: tl.constexpr, V_TRANSPOSED: tl.constexpr, EXACT_ROUNDING: tl.constexpr,
+):
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    for start_n in range(start, end, BLOCK_N):
+        k = K_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            visible = band_mask(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, -1, 0, False, CAUSAL)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            # A row with no visible key so far keeps m = -inf: shift by 0 so that
+            # exp2(-inf - -inf) = NaN never appears and its P stays exactly 0.
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_ij
+        # One FMA per score: descales, softmax scale and log2(e) live in qk_scale, and the
+        # offset in the subtrahend, so P = 2^OFFSET * exp(s - m) costs nothing extra.
+        p = tl.math.exp2(qk * qk_scale - (m_sub - OFFSET)[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_TRANSPOSED:
+            # Keys contiguous: the tile lands in shared memory K-major, as the wgmma wants it.
+            v = tl.trans(V_desc.load([b, hk, 0, start_n]).reshape([HEAD_DIM, BLOCK_N]))
+        else:
+            # Head dim contiguous: Triton transposes the tile through registers into a second
+            # shared-memory buffer before the wgmma, on every tile of every program.
+            v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        acc = acc * alpha[:, None]
+        acc = tl.dot(_to_e4m3(p, EXACT_ROUNDING), v, acc)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_fp8(
+    Q_desc, K_desc, V_desc, O_desc, LSE, Q_DESCALE, K_DESCALE, V_DESCALE,
+    stride_qdb, stride_qdh, stride_kdb, stride_kdh, stride_vdb, stride_vdh,
+    seqlen_q, seqlen_k, nheads, group, softmax_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, OFFSET: tl.constexpr, V_TRANSPOSED: tl.constexpr, EXACT_ROUNDING: tl.constexpr,
+):
+    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, CAUSAL)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group
+    m0 = pid_m * BLOCK_M
+    q_descale = tl.load(Q_DESCALE + b * stride_qdb + hk * stride_qdh)
+    k_descale = tl.load(K_DESCALE + b * stride_kdb + hk * stride_kdh)
+    v_descale = tl.load(V_DESCALE + b * stride_vdb + hk * stride_vdh)
+    qk_scale = q_descale * k_descale * softmax_scale_log2
+
+    q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Causal is the band (unbounded, 0): the interior tiles need no mask, the diagonal
+    # tiles and the ragged last tile do, tiles above the diagonal are never loaded.
+    _, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, -1, 0, BLOCK_M, BLOCK_N, False, CAUSAL)
+    acc, l_i, m_i = _fp8_fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
+                                   seqlen_q, seqlen_k, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                   False, CAUSAL, OFFSET, V_TRANSPOSED, EXACT_ROUNDING)
+    acc, l_i, m_i = _fp8_fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_hi, hi,
+                                   seqlen_q, seqlen_k, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                   True, CAUSAL, OFFSET, V_TRANSPOSED, EXACT_ROUNDING)
+
+    # l holds 2^OFFSET times the true row sum, exactly as acc does: their ratio is the
+    # output; only the LSE takes the offset back out.  Empty rows: out 0, LSE -inf.
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, v_descale / tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - OFFSET) * 0.6931471805599453)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    lse_row = bh.to(tl.int64) * seqlen_q
+    tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < seqlen_q)
+    out = _to_bf16(acc * inv_l[:, None], EXACT_ROUNDING)
+    O_desc.store([b, m0, h, 0], out.reshape([1, BLOCK_M, 1, HEAD_DIM]))
+
+
+# --------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------
+
+
+def padded_headdim(d: int) -> int:
+    # An FP8 wgmma contracts 32 elements per instruction, so Q K^T needs HEAD_DIM >= 32;
+    # columns past the true head dim read as zeros through the descriptors.
+    return max(32, triton.next_power_of_2(d))
+
+
+def fwd_config(head_dim_pad: int, causal: bool, interpret: bool = INTERPRET) -> _Config:
+    """Default tiles: FP8 wants wide key tiles (BLOCK_N = 128 is four k-steps of the PV wgmma)
+    and two warpgroups of 64 query rows each (BLOCK_M = 128, 8 warps).  The register budget
+    is the accumulator (BLOCK_M * HEAD_DIM fp32) plus the score tile (BLOCK_M * BLOCK_N fp32):
+    at HEAD_DIM = 256 the key tile halves to stay clear of spills (benchmarks/kernel_report.py).
+    """
+    if interpret:
+        return _Config(16, 32, 4, 1)
+    if head_dim_pad <= 128:
+        return _Config(128, 128, 8, 3)
+    return _Config(128, 64, 8, 2)
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]))
+
+
+def _descale_strides(descale: torch.Tensor) -> tuple[int, int]:
+    # (1,) is shared by every (batch, kv head): stride 0 in both.
+    return (0, 0) if descale.dim() == 1 else (descale.stride(0), descale.stride(1))
+
+
+def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal=False,
+                          max_offset=True, v_transposed=True, config=None):
+    """FP8 forward.
+
+    ``q (b, nq, h, d)``, ``k (b, nk, hk, d)``, all ``torch.float8_e4m3fn``; ``v`` likewise,
+    either ``(b, hk, d, nk)`` with 16-byte aligned strides (``v_transposed``, made by
+    ``flashtile.fp8.transpose_v``) or ``(b, nk, hk, d)`` (transposed tile by tile in the
+    kernel).  Descales fp32 ``(1,)`` or ``(b, hk)`` (a stored element means ``element *
+    descale``).  Returns ``(out bf16 (b, nq, h, d), lse fp32 (b, h, nq))``.
+    ``max_offset=False`` casts the raw ``exp(s - m)`` (for the accuracy comparison).
+    """
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    hd = padded_headdim(d)
+    cfg = config or fwd_config(hd, causal)
+    q_, k_ = _tma_ready(q), _tma_ready(k)
+    if v_transposed:
+        if not _tma_aligned(v):
+            raise ValueError(f"a transposed v must have unit last stride and 16-byte aligned base and strides "
+                             f"(flashtile.fp8.transpose_v makes one), got strides {tuple(v.stride())}")
+        v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, hd, cfg.block_n])
+    else:
+        v_desc = _descriptor(_tma_ready(v), cfg.block_n, hd)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
+    _attn_fwd_fp8[grid](
+        _descriptor(q_, cfg.block_m, hd), _descriptor(k_, cfg.block_n, hd), v_desc,
+        _descriptor(out, cfg.block_m, hd), lse, q_descale, k_descale, v_descale,
+        *_descale_strides(q_descale), *_descale_strides(k_descale), *_descale_strides(v_descale),
+        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
+        OFFSET=MAX_OFFSET if max_offset else 0, V_TRANSPOSED=bool(v_transposed), EXACT_ROUNDING=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
