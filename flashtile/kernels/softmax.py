@@ -1,19 +1,46 @@
-"""Row softmax / log-softmax kernels, forward and backward, chosen by row length.
+"""Row softmax / log-softmax kernels, forward and backward, chosen by row length and row count.
 
-Softmax is memory-bound: the floor is one read and one write per element.  How close a
-kernel gets depends on whether a row fits on chip:
+Softmax is memory-bound: the floor is one read and one write per element (the backward:
+two reads and one write).  How close a kernel gets depends on whether a row fits on chip,
+and, when it does not, on whether its second read can be served by the L2 cache:
 
-* **In registers** (rows up to ``IN_REGISTER_MAX`` elements): a program loads whole rows
+* **registers** (rows up to ``IN_REGISTER_MAX`` elements): a program loads whole rows
   once, reduces the max and the sum in registers (Triton lowers ``tl.max``/``tl.sum`` to a
   warp-shuffle reduction, then across warps through shared memory -- the two-level
   reduction), and writes the result: 1 read + 1 write.  Short rows pack several rows into
   one program (``ROWS > 1``) so each program still moves enough bytes; long-but-fitting
   rows get one program and more warps.
-* **Online, two passes** (longer rows): pass 1 streams the row once keeping a running
-  ``(m, l)`` per lane and rescaling ``l`` whenever the max grows (Milakov & Gimelshein);
-  pass 2 streams it again and writes ``exp(x - m) / l``: 2 reads + 1 write.  When there are
-  few rows, each row is split into ``splits`` chunks handled by separate programs, so all
-  SMs stay busy; the chunks' partial ``(m, l)`` are merged with the online-softmax rule.
+* **fused** (longer rows, and enough of them to give every SM its own rows): persistent
+  programs (1 to ``FUSED_PROGRAMS_PER_SM`` per SM) walk rows one after another, each doing
+  both passes of the online softmax itself.  Pass 1 streams the row keeping a running
+  ``(m, l)`` per lane (Milakov & Gimelshein); pass 2 walks the row *backwards* and writes
+  ``exp(x - m) / l``.  Walking backwards re-reads first the tiles read last, which are the
+  ones most likely still in L2: the bytes read by everyone between a tile's two reads are
+  about (rows in flight) x (the part of the row after that tile).  The persistent grid is
+  what bounds the rows in flight: as many programs per SM as L2 can hold the rows of
+  (``FUSED_L2_BUDGET_MB``), at least one, with the warps per SM kept constant.  Up to
+  ~300 KB per row (64k bf16 / fp32 at one or two rows per SM) pass 2 is then served by L2
+  and HBM sees close to 1 read + 1 write; longer rows get a partial hit rate, from their
+  tails.  The grid is also capped by the kernel's occupancy, since a persistent program
+  that is not resident would only start when another has finished all its rows.
+* **split** (few, long rows: fewer rows than ``FUSED_MIN_ROWS_PER_SM`` x SMs): each row is
+  cut into chunks so that every SM has work.  Kernel 1 writes each chunk's partial
+  ``(m, l)``; kernel 2 merges a row's partials (the online-softmax rule) and re-reads its
+  chunk to write the output.  Kernel 2 runs its programs, and each chunk's tiles, in the
+  reverse order of kernel 1, so the last ~L2-size of kernel 1's reads are re-read first,
+  while still cached.  Beyond that the second read comes from HBM: 2 reads + 1 write.
+
+Programs of one launch never wait on each other (in the interpreter they run one after
+another), which is why a row too long for one SM's share needs the two-kernel split path.
+
+Every streaming loop loads ``UNROLL`` sub-tiles of ``BLOCK_N`` elements back to back before
+using any of them, so each warp keeps several 16-byte loads in flight (bytes in flight per
+SM, not occupancy, is what sustains HBM bandwidth), and folds them with one in-thread
+``max`` / ``sum`` over the ``UNROLL`` axis: the running ``(m, l)`` is rescaled once per
+iteration instead of once per element (the exp2 unit is the next bottleneck after memory).
+Loads and stores carry L2 eviction hints: the first read of a tile asks L2 to keep it
+(``evict_last``), its last read and the output stores mark their lines first to go
+(``evict_first``), so the output stream does not push out tiles that are still to be re-read.
 
 Rows are addressed through up to three leading indices with arbitrary strides plus a column
 stride, so transposed / sliced / broadcast (stride-0) inputs and masks are read in place.
@@ -21,9 +48,18 @@ The scale and the mask are applied on the fly: the masked scores never exist in 
 Everything is computed in float32 and in log2 units (one FMA and an ``exp2`` per element).
 A row with no finite entry (all ``-inf`` / all masked) gives zeros (log-softmax: ``-inf``),
 never NaN; NaN and ``+inf`` inputs propagate as in ``torch.softmax``.
+
+Tuning: every knob below is a module-level constant that ``plan()`` reads at call time, and
+the environment variable ``FLASHTILE_SOFTMAX_TUNING="name=value,..."`` (names as in
+``KNOBS``, e.g. ``unroll=2,programs_per_sm=1``) overrides them without editing code;
+``benchmarks/tune_softmax.py`` sweeps them on a GPU.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+import os
 
 import torch
 import triton
@@ -32,8 +68,92 @@ import triton.language as tl
 from flashtile.kernels.runtime import INTERPRET, sm_count
 
 LOG2E = 1.4426950408889634
-IN_REGISTER_MAX = 32768
-MAX_SPLITS = 64
+
+# --- Strategy thresholds and launch knobs (defaults for an H200: 132 SMs, 50 MB L2) ------
+# Rows up to this length are held whole in registers.  At 16k elements and 16 warps that is
+# 32 values per thread (61-91 registers, forward / backward, no spills); at 32k the
+# backward spills (at 16 or 32 warps) and only one program fits per SM, which leaves its
+# load-reduce-store phases unoverlapped, so longer rows stream (fused path) instead.
+IN_REGISTER_MAX = 16384
+# num_warps of the in-register kernel for rows of 8k+ elements; 0 = by row length.
+REGISTER_WARPS = 0
+# Streaming kernels (fused and split): each iteration loads UNROLL sub-tiles back to back;
+# a sub-tile is one 16-byte vector per thread unless STREAM_BLOCK (elements) says otherwise.
+# Bytes in flight per SM, not occupancy, is what sustains HBM bandwidth: 4.2 TB/s x ~0.8 us
+# of loaded latency / 132 SMs ~ 25 KB; 16 warps x 32 threads x 4 x 16 B = 32 KB.
+STREAM_BLOCK = 0
+STREAM_UNROLL = 4
+# Fused path: warps per SM, shared by the resident programs (num_warps = this / programs
+# per SM, so the bytes in flight per SM stay the same however many rows are in flight).
+FUSED_WARPS_PER_SM = 16
+# At most this many persistent programs per SM (also capped by occupancy at launch).  More
+# than one lets a program's end-of-row reduction -- a barrier that drains its loads --
+# overlap the others' streaming ...
+FUSED_PROGRAMS_PER_SM = 4
+# ... but every program holds a row in flight, and pass 2 hits L2 only while (rows in flight)
+# x (bytes re-read per row) fits in L2 (50 MB on an H200, shared with the output stream,
+# whose stores are marked evict_first): fewer programs per SM for longer rows, down to
+# FUSED_MIN_PROGRAMS_PER_SM.  Below 1 (e.g. 0.5: one 32-warp program per two SMs) trades
+# SMs for L2 hits on the longest rows -- only worth it if half the SMs can still pull the
+# full bandwidth (loop stages help: their bytes in flight sit in shared memory).
+FUSED_L2_BUDGET_MB = 40
+FUSED_MIN_PROGRAMS_PER_SM = 1.0
+# Fused when n_rows >= this x SMs (every SM gets a whole row); fewer rows take the split
+# path so that all SMs still stream.
+FUSED_MIN_ROWS_PER_SM = 1.0
+# Split path: num_warps per chunk program, and chunk programs per SM to aim for (several
+# waves: a small tail).
+SPLIT_WARPS = 8
+SPLIT_PROGRAMS_PER_SM = 8
+MAX_SPLITS = 256
+# L2 eviction hints on the streaming kernels (1) or none (0).
+EVICTION_HINTS = 1
+# num_stages of the streaming loops (tl.range); 0 = the compiler's default (no pipelining
+# of these loads).  2-3 turns them into cp.async copies through shared memory: more bytes
+# in flight per thread, without the eviction hints.
+LOOP_STAGES = 0
+
+TUNING_ENV = "FLASHTILE_SOFTMAX_TUNING"
+KNOBS = {
+    "in_register_max": "IN_REGISTER_MAX",
+    "register_warps": "REGISTER_WARPS",
+    "block": "STREAM_BLOCK",
+    "unroll": "STREAM_UNROLL",
+    "warps_per_sm": "FUSED_WARPS_PER_SM",
+    "programs_per_sm": "FUSED_PROGRAMS_PER_SM",
+    "l2_budget_mb": "FUSED_L2_BUDGET_MB",
+    "min_programs_per_sm": "FUSED_MIN_PROGRAMS_PER_SM",
+    "fused_min_rows_per_sm": "FUSED_MIN_ROWS_PER_SM",
+    "split_warps": "SPLIT_WARPS",
+    "split_programs_per_sm": "SPLIT_PROGRAMS_PER_SM",
+    "evict": "EVICTION_HINTS",
+    "stages": "LOOP_STAGES",
+}
+_FLOAT_KNOBS = {"fused_min_rows_per_sm", "l2_budget_mb", "min_programs_per_sm", "programs_per_sm"}
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_tuning(text: str) -> dict:
+    overrides = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in KNOBS:
+            raise ValueError(f"{TUNING_ENV}: expected name=value with name in {sorted(KNOBS)}, got {item!r}")
+        overrides[name] = float(value) if name in _FLOAT_KNOBS else int(value)
+    return overrides
+
+
+def knobs() -> dict:
+    """The knobs in force: the module constants, overridden by ``FLASHTILE_SOFTMAX_TUNING``."""
+    current = {name: globals()[const] for name, const in KNOBS.items()}
+    current.update(_parse_tuning(os.environ.get(TUNING_ENV, "")))
+    return current
+
+
+# --------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -45,7 +165,7 @@ def _row_offset(row, L1, L2, s0, s1, s2):
 
 
 @triton.jit
-def _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND: tl.constexpr):
+def _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND: tl.constexpr, POLICY: tl.constexpr):
     """A block of logits as ``x`` (fp32) and a ``bias`` in log2 units.
 
     The logit is ``x * scale * log2(e) + bias``; keeping the two apart lets each use fold the
@@ -54,14 +174,15 @@ def _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND: tl.constexpr):
     Padding and masked-out entries get ``bias = -inf`` and ``x = 0`` (so a NaN hidden by the
     mask stays hidden, and a negative scale cannot turn the padding into +inf).
     """
-    x = tl.load(X + x_off + cols * sxc, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + x_off + cols * sxc, mask=ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
     bias = tl.where(ok, 0.0, float("-inf"))
     if MASK_KIND == 1:  # boolean, True = keep
-        keep = tl.load(MASK + m_off + cols * smc, mask=ok, other=0) != 0
+        keep = tl.load(MASK + m_off + cols * smc, mask=ok, other=0, eviction_policy=POLICY) != 0
         bias = tl.where(keep, bias, float("-inf"))
         x = tl.where(keep, x, 0.0)
     elif MASK_KIND == 2:  # additive, in natural-log units like x * scale
-        bias = bias + tl.load(MASK + m_off + cols * smc, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        add = tl.load(MASK + m_off + cols * smc, mask=ok, other=0.0, eviction_policy=POLICY)
+        bias = bias + add.to(tl.float32) * 1.4426950408889634
     return x, bias
 
 
@@ -69,6 +190,50 @@ def _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND: tl.constexpr):
 def _safe_shift(m):
     # (-inf) - (-inf) is NaN: a row with no finite entry is shifted by 0, so it stays 0.
     return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _tile_cols(start, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+    """Columns of one loop iteration: ``UNROLL`` consecutive sub-tiles of ``BLOCK_N``, shaped
+    [UNROLL, BLOCK_N] so that the UNROLL axis lies within each thread (the contiguous axis is
+    spread over lanes and warps), making the per-iteration fold over it register-only."""
+    return start + tl.arange(0, UNROLL)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+
+@triton.jit
+def _online_update(m, l, x, bias, scale_log2):
+    """Fold a [UNROLL, BLOCK_N] tile into the per-lane running (max, sum), log2 units.
+
+    The running sum is rescaled once per iteration (one exp2 per lane), not per element."""
+    m_new = tl.maximum(m, tl.max(x * scale_log2 + bias, axis=0))
+    shift = _safe_shift(m_new)
+    e = tl.math.exp2(x * scale_log2 + (bias - shift[None, :]))
+    return m_new, l * tl.math.exp2(m - shift) + tl.sum(e, axis=0)
+
+
+@triton.jit
+def _lanes_to_row(m, l):
+    """Merge per-lane (m, l) into the row's (shift, l)."""
+    shift = _safe_shift(tl.max(m, axis=0))
+    return shift, tl.sum(l * tl.math.exp2(m - shift), axis=0)
+
+
+@triton.jit
+def _softmax_out(x, bias, shift, inv_l, log2_l, scale_log2, LOG: tl.constexpr):
+    if LOG:
+        return (x * scale_log2 + (bias - shift - log2_l)) * 0.6931471805599453
+    return tl.math.exp2(x * scale_log2 + (bias - shift)) * inv_l
+
+
+@triton.jit
+def _normalizers(l):
+    # An empty row (l = 0) keeps y = 0 (softmax) / -inf (log-softmax) instead of NaN.
+    return 1.0 / tl.where(l == 0.0, 1.0, l), tl.where(l == 0.0, 0.0, tl.math.log2(l))
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -83,7 +248,7 @@ def _softmax_fwd_in_registers(
     ok = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x_off = _row_offset(rows, L1, L2, sx0, sx1, sx2)[:, None]
     m_off = _row_offset(rows, L1, L2, sm0, sm1, sm2)[:, None]
-    x, bias = _logits(X, MASK, x_off, m_off, cols[None, :], ok, sxc, smc, MASK_KIND)
+    x, bias = _logits(X, MASK, x_off, m_off, cols[None, :], ok, sxc, smc, MASK_KIND, "")
     shift = _safe_shift(tl.max(x * scale_log2 + bias, axis=1))
     e = tl.math.exp2(x * scale_log2 + (bias - shift[:, None]))
     l = tl.sum(e, axis=1)
@@ -98,32 +263,62 @@ def _softmax_fwd_in_registers(
 
 
 @triton.jit
+def _softmax_fwd_fused(
+    X, MASK, Y, n_rows, n_cols, L1, L2,
+    sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
+    scale_log2,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    STAGES: tl.constexpr, FIRST_READ: tl.constexpr, LAST_READ: tl.constexpr, WRITE: tl.constexpr,
+):
+    """Persistent: rows pid, pid + grid, ...; per row pass 1 forwards, pass 2 backwards."""
+    TILE: tl.constexpr = BLOCK_N * UNROLL
+    n_tiles = tl.cdiv(n_cols, TILE)
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        x_off = _row_offset(row, L1, L2, sx0, sx1, sx2)
+        m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
+        m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_N], tl.float32)
+        for t in tl.range(0, n_tiles, num_stages=STAGES):
+            cols = _tile_cols(t * TILE, BLOCK_N, UNROLL)
+            x, bias = _logits(X, MASK, x_off, m_off, cols, cols < n_cols, sxc, smc, MASK_KIND, FIRST_READ)
+            m, l = _online_update(m, l, x, bias, scale_log2)
+        shift, l_row = _lanes_to_row(m, l)
+        inv_l, log2_l = _normalizers(l_row)
+        y_off = tl.cast(row, tl.int64) * n_cols
+        for t in tl.range(0, n_tiles, num_stages=STAGES):
+            cols = _tile_cols((n_tiles - 1 - t) * TILE, BLOCK_N, UNROLL)
+            ok = cols < n_cols
+            x, bias = _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND, LAST_READ)
+            y = _softmax_out(x, bias, shift, inv_l, log2_l, scale_log2, LOG)
+            tl.store(Y + y_off + cols, y.to(Y.dtype.element_ty), mask=ok, eviction_policy=WRITE)
+
+
+@triton.jit
 def _softmax_fwd_partials(
     X, MASK, M_PART, L_PART, n_cols, L1, L2, chunk,
     sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
     scale_log2, splits,
-    MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+    FIRST_READ: tl.constexpr,
 ):
-    """Pass 1 of the online softmax over one chunk of one row: its (max, sum) in log2 units."""
+    """Split path, kernel 1: the (max, sum) in log2 units of one chunk of one row."""
+    TILE: tl.constexpr = BLOCK_N * UNROLL
     pid = tl.program_id(0)
     row = pid // splits
     c0 = (pid % splits) * chunk
+    c1 = tl.minimum(c0 + chunk, n_cols)
     x_off = _row_offset(row, L1, L2, sx0, sx1, sx2)
     m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
-    # One running (m, l) per lane; merged across lanes once at the end.
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(c0, tl.minimum(c0 + chunk, n_cols), BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = (cols < n_cols) & (cols < c0 + chunk)
-        x, bias = _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND)
-        m_new = tl.maximum(m, x * scale_log2 + bias)
-        shift = _safe_shift(m_new)
-        l = l * tl.math.exp2(m - shift) + tl.math.exp2(x * scale_log2 + (bias - shift))
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    l_row = tl.sum(l * tl.math.exp2(m - _safe_shift(m_row)), axis=0)
-    tl.store(M_PART + pid, m_row)
+    for start in tl.range(c0, c1, TILE, num_stages=STAGES):
+        cols = _tile_cols(start, BLOCK_N, UNROLL)
+        x, bias = _logits(X, MASK, x_off, m_off, cols, cols < c1, sxc, smc, MASK_KIND, FIRST_READ)
+        m, l = _online_update(m, l, x, bias, scale_log2)
+    _, l_row = _lanes_to_row(m, l)
+    # The true max, -inf for an empty chunk (not the 0 it was shifted by): a stored 0 would
+    # become the row's shift when every logit is very negative, and 2^(m_c - 0) underflow.
+    tl.store(M_PART + pid, tl.max(m, axis=0))
     tl.store(L_PART + pid, l_row)
 
 
@@ -144,58 +339,65 @@ def _softmax_fwd_write(
     X, MASK, Y, M_PART, L_PART, n_cols, L1, L2, chunk,
     sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
     scale_log2, splits,
-    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    SPLITS: tl.constexpr, STAGES: tl.constexpr, LAST_READ: tl.constexpr, WRITE: tl.constexpr,
 ):
-    """Pass 2: re-read the chunk and write exp2(logit - m) / l (or its log)."""
-    pid = tl.program_id(0)
+    """Split path, kernel 2: re-read a chunk (last chunks first, last tiles first) and write."""
+    TILE: tl.constexpr = BLOCK_N * UNROLL
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse of kernel 1's order
     row = pid // splits
     c0 = (pid % splits) * chunk
+    c1 = tl.minimum(c0 + chunk, n_cols)
     shift, l = _merge_partials(M_PART, L_PART, row, splits, SPLITS)
-    inv_l = 1.0 / tl.where(l == 0.0, 1.0, l)
-    log2_l = tl.where(l == 0.0, 0.0, tl.math.log2(l))  # empty row: y stays -inf, not NaN
+    inv_l, log2_l = _normalizers(l)
     x_off = _row_offset(row, L1, L2, sx0, sx1, sx2)
     m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
-    y_off = row.to(tl.int64) * n_cols
-    for start in range(c0, tl.minimum(c0 + chunk, n_cols), BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = (cols < n_cols) & (cols < c0 + chunk)
-        x, bias = _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND)
-        if LOG:
-            y = (x * scale_log2 + (bias - shift - log2_l)) * 0.6931471805599453
-        else:
-            y = tl.math.exp2(x * scale_log2 + (bias - shift)) * inv_l
-        tl.store(Y + y_off + cols, y.to(Y.dtype.element_ty), mask=ok)
+    y_off = tl.cast(row, tl.int64) * n_cols
+    n_tiles = tl.cdiv(c1 - c0, TILE)
+    for t in tl.range(0, n_tiles, num_stages=STAGES):
+        cols = _tile_cols(c0 + (n_tiles - 1 - t) * TILE, BLOCK_N, UNROLL)
+        ok = cols < c1
+        x, bias = _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND, LAST_READ)
+        y = _softmax_out(x, bias, shift, inv_l, log2_l, scale_log2, LOG)
+        tl.store(Y + y_off + cols, y.to(Y.dtype.element_ty), mask=ok, eviction_policy=WRITE)
 
 
 # Backward.  With y the output (contiguous) and g = dL/dy:
 #   softmax:     dx = scale * y * (g - sum(g * y))
 #   log_softmax: dx = scale * (g - exp(y) * sum(g))
-# Entries removed by a boolean mask get dx = 0 (they did not influence y).
+# Entries removed by a boolean mask get dx = 0 (they did not influence y).  The row sum
+# needs g * y (softmax) or g alone (log-softmax: y is not read in that pass).
 
 
 @triton.jit
-def _bwd_terms(Y, G, MASK, y_off, m_off, cols, ok, smc, LOG: tl.constexpr, MASK_KIND: tl.constexpr):
-    y = tl.load(Y + y_off + cols, mask=ok, other=0.0).to(tl.float32)
-    g = tl.load(G + y_off + cols, mask=ok, other=0.0).to(tl.float32)
+def _bwd_sum_terms(Y, G, offs, ok, LOG: tl.constexpr, POLICY: tl.constexpr):
+    """The summand of the row sum for a tile: g (log-softmax) or g * y (softmax)."""
+    g = tl.load(G + offs, mask=ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
     if LOG:
-        p = tl.math.exp(y)  # exp(-inf) = 0 for masked entries
-        term = g
+        return g
+    return g * tl.load(Y + offs, mask=ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
+
+
+@triton.jit
+def _bwd_dx(MASK, y, g, s, m_off, cols, ok, smc, scale,
+            LOG: tl.constexpr, MASK_KIND: tl.constexpr, POLICY: tl.constexpr):
+    if LOG:
+        dx = g - tl.math.exp(y) * s  # exp(-inf) = 0 for masked entries
     else:
-        p = y
-        term = g * y
+        dx = y * (g - s)
     keep = ok
     if MASK_KIND == 1:
-        keep = keep & (tl.load(MASK + m_off + cols * smc, mask=ok, other=0) != 0)
-    return p, g, term, keep
+        keep = keep & (tl.load(MASK + m_off + cols * smc, mask=ok, other=0, eviction_policy=POLICY) != 0)
+    return tl.where(keep, dx * scale, 0.0)
 
 
 @triton.jit
-def _bwd_dx(p, g, s, keep, scale, LOG: tl.constexpr):
-    if LOG:
-        dx = g - p * s
-    else:
-        dx = p * (g - s)
-    return tl.where(keep, dx * scale, 0.0)
+def _bwd_tile_dx(Y, G, MASK, offs, m_off, cols, ok, smc, s, scale,
+                 LOG: tl.constexpr, MASK_KIND: tl.constexpr, POLICY: tl.constexpr):
+    """Load a tile of y and g (their last read: ``POLICY``) and return its dx."""
+    y = tl.load(Y + offs, mask=ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    g = tl.load(G + offs, mask=ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    return _bwd_dx(MASK, y, g, s, m_off, cols, ok, smc, scale, LOG, MASK_KIND, POLICY)
 
 
 @triton.jit
@@ -206,50 +408,79 @@ def _softmax_bwd_in_registers(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)[None, :]
     ok = (rows[:, None] < n_rows) & (cols < n_cols)
-    y_off = rows.to(tl.int64)[:, None] * n_cols
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols
     m_off = _row_offset(rows, L1, L2, sm0, sm1, sm2)[:, None]
-    p, g, term, keep = _bwd_terms(Y, G, MASK, y_off, m_off, cols, ok, smc, LOG, MASK_KIND)
-    dx = _bwd_dx(p, g, tl.sum(term, axis=1)[:, None], keep, scale, LOG)
-    tl.store(DX + y_off + cols, dx.to(DX.dtype.element_ty), mask=ok)
+    y = tl.load(Y + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.sum(g if LOG else g * y, axis=1)[:, None]
+    dx = _bwd_dx(MASK, y, g, s, m_off, cols, ok, smc, scale, LOG, MASK_KIND, "")
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _softmax_bwd_fused(
+    Y, G, MASK, DX, n_rows, n_cols, L1, L2, sm0, sm1, sm2, smc, scale,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    STAGES: tl.constexpr, FIRST_READ: tl.constexpr, LAST_READ: tl.constexpr, WRITE: tl.constexpr,
+):
+    """Persistent: per row, pass 1 forwards sums, pass 2 backwards writes dx."""
+    TILE: tl.constexpr = BLOCK_N * UNROLL
+    n_tiles = tl.cdiv(n_cols, TILE)
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row_off = tl.cast(row, tl.int64) * n_cols
+        m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for t in tl.range(0, n_tiles, num_stages=STAGES):
+            cols = _tile_cols(t * TILE, BLOCK_N, UNROLL)
+            acc += tl.sum(_bwd_sum_terms(Y, G, row_off + cols, cols < n_cols, LOG, FIRST_READ), axis=0)
+        s = tl.sum(acc, axis=0)
+        for t in tl.range(0, n_tiles, num_stages=STAGES):
+            cols = _tile_cols((n_tiles - 1 - t) * TILE, BLOCK_N, UNROLL)
+            ok = cols < n_cols
+            dx = _bwd_tile_dx(Y, G, MASK, row_off + cols, m_off, cols, ok, smc, s, scale, LOG, MASK_KIND, LAST_READ)
+            tl.store(DX + row_off + cols, dx.to(DX.dtype.element_ty), mask=ok, eviction_policy=WRITE)
 
 
 @triton.jit
 def _softmax_bwd_partials(
-    Y, G, MASK, S_PART, n_cols, L1, L2, chunk, sm0, sm1, sm2, smc, splits,
-    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr,
+    Y, G, S_PART, n_cols, chunk, splits,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+    FIRST_READ: tl.constexpr,
 ):
+    TILE: tl.constexpr = BLOCK_N * UNROLL
     pid = tl.program_id(0)
     row = pid // splits
     c0 = (pid % splits) * chunk
-    y_off = row.to(tl.int64) * n_cols
-    m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
+    c1 = tl.minimum(c0 + chunk, n_cols)
+    row_off = tl.cast(row, tl.int64) * n_cols
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(c0, tl.minimum(c0 + chunk, n_cols), BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = (cols < n_cols) & (cols < c0 + chunk)
-        p, g, term, keep = _bwd_terms(Y, G, MASK, y_off, m_off, cols, ok, smc, LOG, MASK_KIND)
-        acc += term
+    for start in tl.range(c0, c1, TILE, num_stages=STAGES):
+        cols = _tile_cols(start, BLOCK_N, UNROLL)
+        acc += tl.sum(_bwd_sum_terms(Y, G, row_off + cols, cols < c1, LOG, FIRST_READ), axis=0)
     tl.store(S_PART + pid, tl.sum(acc, axis=0))
 
 
 @triton.jit
 def _softmax_bwd_write(
     Y, G, MASK, DX, S_PART, n_cols, L1, L2, chunk, sm0, sm1, sm2, smc, scale, splits,
-    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    SPLITS: tl.constexpr, STAGES: tl.constexpr, LAST_READ: tl.constexpr, WRITE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    TILE: tl.constexpr = BLOCK_N * UNROLL
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse of kernel 1's order
     row = pid // splits
     c0 = (pid % splits) * chunk
+    c1 = tl.minimum(c0 + chunk, n_cols)
     idx = tl.arange(0, SPLITS)
     s = tl.sum(tl.load(S_PART + row * splits + idx, mask=idx < splits, other=0.0), axis=0)
-    y_off = row.to(tl.int64) * n_cols
+    row_off = tl.cast(row, tl.int64) * n_cols
     m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
-    for start in range(c0, tl.minimum(c0 + chunk, n_cols), BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = (cols < n_cols) & (cols < c0 + chunk)
-        p, g, term, keep = _bwd_terms(Y, G, MASK, y_off, m_off, cols, ok, smc, LOG, MASK_KIND)
-        dx = _bwd_dx(p, g, s, keep, scale, LOG)
-        tl.store(DX + y_off + cols, dx.to(DX.dtype.element_ty), mask=ok)
+    n_tiles = tl.cdiv(c1 - c0, TILE)
+    for t in tl.range(0, n_tiles, num_stages=STAGES):
+        cols = _tile_cols(c0 + (n_tiles - 1 - t) * TILE, BLOCK_N, UNROLL)
+        ok = cols < c1
+        dx = _bwd_tile_dx(Y, G, MASK, row_off + cols, m_off, cols, ok, smc, s, scale, LOG, MASK_KIND, LAST_READ)
+        tl.store(DX + row_off + cols, dx.to(DX.dtype.element_ty), mask=ok, eviction_policy=WRITE)
 
 
 # --------------------------------------------------------------------------------------
@@ -290,29 +521,123 @@ def collapse_rows(shape, *stride_sets):
     return tuple(lead), [tuple(st) for st in strides]
 
 
+STRATEGIES = ("registers", "fused", "split")
+_ALIASES = {"online": "split"}  # the split path's former name
+
+
+def _floor_pow2(v: float) -> float:
+    return 2.0 ** math.floor(math.log2(v))
+
+
+def _sms() -> int:
+    return 1 if INTERPRET else sm_count(torch.cuda.current_device())
+
+
 def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | None = None,
-         splits: int | None = None):
-    """Pick the strategy and its launch shape for (n_rows, n_cols)."""
+         splits: int | None = None, unroll: int | None = None, programs: int | None = None,
+         elem_bytes: int = 4, reread_bytes: int | None = None):
+    """Pick the strategy and its launch shape for (n_rows, n_cols).
+
+    ``elem_bytes`` is the size of the streamed tensors' elements (sub-tiles are one 16-byte
+    vector per thread); ``reread_bytes`` the bytes per row that pass 2 reads again (default
+    ``n_cols * elem_bytes``), which sets how many rows the fused path keeps in flight.
+    ``strategy``, ``block`` (sub-tile elements), ``unroll`` (sub-tiles per iteration),
+    ``splits`` (chunks per row, split path) and ``programs`` (persistent grid, fused path;
+    still capped by occupancy at launch) override the knobs, for tests and tuning.
+    """
+    k = knobs()
+    strategy = _ALIASES.get(strategy, strategy)
+    sms = _sms()
     if strategy is None:
-        strategy = "registers" if n_cols <= IN_REGISTER_MAX else "online"
+        if n_cols <= k["in_register_max"]:
+            strategy = "registers"
+        elif n_rows >= k["fused_min_rows_per_sm"] * sms:
+            strategy = "fused"
+        else:
+            strategy = "split"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
     if strategy == "registers":
         block_n = max(16, triton.next_power_of_2(n_cols))
         if INTERPRET:
             rows = 4 if block_n <= 64 else 1
             return dict(strategy=strategy, BLOCK_N=block_n, ROWS=rows, num_warps=1)
         rows = max(1, min(64, 4096 // block_n))
-        num_warps = 4 if block_n <= 4096 else (8 if block_n <= 8192 else 16)
+        # 8k+ rows: 32 values per thread (16k: 16 warps; 32k: 32 warps, which does not spill).
+        num_warps = 4 if block_n <= 4096 else min(32, block_n // 1024)
+        if block_n >= 8192 and k["register_warps"]:
+            num_warps = k["register_warps"]
         return dict(strategy=strategy, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
-    if strategy != "online":
-        raise ValueError(f"strategy must be 'registers', 'online' or None, got {strategy!r}")
-    block_n = block or (64 if INTERPRET else 4096)
+
+    if strategy == "fused":
+        # Rows in flight: as many as L2 can hold the re-read part of, within [min, max]
+        # programs per SM, rounded down to a power of two so that num_warps is one too.
+        reread = reread_bytes or n_cols * elem_bytes
+        rows_fit = k["l2_budget_mb"] * 2**20 / max(1, reread)
+        per_sm = _floor_pow2(min(k["programs_per_sm"], max(k["min_programs_per_sm"], rows_fit / sms)))
+        num_warps = int(min(32, max(4, _floor_pow2(k["warps_per_sm"] / per_sm))))
+    else:
+        num_warps = k["split_warps"]
+    if INTERPRET:
+        num_warps, default_block, unroll = 1, 64, unroll or 2
+    else:
+        default_block = k["block"] or num_warps * 32 * max(1, 16 // elem_bytes)
+    block_n = block or default_block
+    unroll = unroll or k["unroll"]
+    tile = block_n * unroll
+    common = dict(strategy=strategy, BLOCK_N=block_n, UNROLL=unroll, num_warps=num_warps,
+                  STAGES=k["stages"] or None, evict=bool(k["evict"]) and not INTERPRET)
+    if strategy == "fused":
+        return dict(common, programs=max(1, min(n_rows, programs or int(per_sm * sms))))
     if splits is None:
-        sms = sm_count(torch.cuda.current_device()) if not INTERPRET else 1
-        splits = max(1, min(MAX_SPLITS, -(-4 * sms // n_rows), triton.cdiv(n_cols, block_n)))
-    chunk = triton.cdiv(triton.cdiv(n_cols, splits), block_n) * block_n
+        target = k["split_programs_per_sm"] * sms
+        splits = max(1, min(MAX_SPLITS, -(-target // n_rows), triton.cdiv(n_cols, tile)))
+    chunk = triton.cdiv(triton.cdiv(n_cols, splits), tile) * tile
     splits = triton.cdiv(n_cols, chunk)
-    return dict(strategy=strategy, BLOCK_N=block_n, splits=splits, chunk=chunk,
-                SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=1 if INTERPRET else 8)
+    return dict(common, splits=splits, chunk=chunk, SPLITS=max(2, triton.next_power_of_2(splits)))
+
+
+def _policies(p):
+    """Eviction hints: keep on the first read, drop on the last read and on the output."""
+    if p["evict"]:
+        return dict(FIRST_READ="evict_last", LAST_READ="evict_first", WRITE="evict_first")
+    return dict(FIRST_READ="", LAST_READ="", WRITE="")
+
+
+@functools.cache
+def _device_limits(device_index: int):
+    props = torch.cuda.get_device_properties(device_index)
+    return (getattr(props, "max_threads_per_multi_processor", 2048),
+            getattr(props, "regs_per_multiprocessor", 65536),
+            getattr(props, "shared_memory_per_multiprocessor", 233472))
+
+
+_RESIDENT: dict = {}
+
+
+def resident_programs_per_sm(compiled, num_warps: int, device_index: int) -> int:
+    """How many programs of ``compiled`` one SM holds at once (threads, registers, shared memory)."""
+    compiled._init_handles()
+    threads, regs, smem = _device_limits(device_index)
+    regs_per_warp = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # allocated per warp, 256 at a time
+    fits = [threads // (32 * num_warps), regs // regs_per_warp // num_warps, 32]
+    if compiled.metadata.shared:
+        fits.append(smem // (compiled.metadata.shared + 1024))  # 1 KB reserved per block
+    return max(1, min(fits))
+
+
+def _persistent_grid(kernel, args, kwargs, p, device):
+    """The fused path's grid: the planned programs, capped by how many can be resident, since
+    a persistent program that has to wait for a free slot only starts when another is done."""
+    if INTERPRET:
+        return p["programs"]
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), device.index,
+           tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)), tuple(sorted(kwargs.items())))
+    per_sm = _RESIDENT.get(key)
+    if per_sm is None:
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        per_sm = _RESIDENT[key] = resident_programs_per_sm(compiled, kwargs["num_warps"], device.index)
+    return max(1, min(p["programs"], per_sm * sm_count(device.index)))
 
 
 def _mask_kind(mask):
@@ -322,7 +647,7 @@ def _mask_kind(mask):
 
 
 def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, log,
-                    out_dtype, strategy=None, block=None, splits=None):
+                    out_dtype, strategy=None, block=None, splits=None, unroll=None, programs=None):
     """Launch the forward over rows described by (lead_shape, strides). Returns y (rows, n_cols)."""
     n_rows = lead_shape[0] * lead_shape[1] * lead_shape[2]
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
@@ -332,7 +657,8 @@ def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, lo
     mask_arg = mask if mask is not None else x
     L1, L2 = lead_shape[1], lead_shape[2]
     sx, sm = x_strides, m_strides
-    p = plan(n_rows, n_cols, strategy, block, splits)
+    reread = n_cols * (x.element_size() + (mask.element_size() if mask is not None else 0))
+    p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, x.element_size(), reread)
     scale_log2 = scale * LOG2E
     if p["strategy"] == "registers":
         grid = (triton.cdiv(n_rows, p["ROWS"]),)
@@ -340,19 +666,27 @@ def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, lo
             x, mask_arg, y, n_rows, n_cols, L1, L2, *sx, *sm, scale_log2,
             LOG=log, MASK_KIND=kind, ROWS=p["ROWS"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
         return y
+    pol = _policies(p)
+    tiles = dict(BLOCK_N=p["BLOCK_N"], UNROLL=p["UNROLL"], STAGES=p["STAGES"], num_warps=p["num_warps"])
+    if p["strategy"] == "fused":
+        args = (x, mask_arg, y, n_rows, n_cols, L1, L2, *sx, *sm, scale_log2)
+        kw = dict(LOG=log, MASK_KIND=kind, **tiles, **pol)
+        grid = _persistent_grid(_softmax_fwd_fused, args, kw, p, x.device)
+        _softmax_fwd_fused[(grid,)](*args, **kw)
+        return y
     parts = torch.empty((2, n_rows * p["splits"]), dtype=torch.float32, device=x.device)
     grid = (n_rows * p["splits"],)
     _softmax_fwd_partials[grid](
         x, mask_arg, parts[0], parts[1], n_cols, L1, L2, p["chunk"], *sx, *sm, scale_log2, p["splits"],
-        MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
+        MASK_KIND=kind, FIRST_READ=pol["FIRST_READ"], **tiles)
     _softmax_fwd_write[grid](
         x, mask_arg, y, parts[0], parts[1], n_cols, L1, L2, p["chunk"], *sx, *sm, scale_log2, p["splits"],
-        LOG=log, MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], SPLITS=p["SPLITS"], num_warps=p["num_warps"])
+        LOG=log, MASK_KIND=kind, SPLITS=p["SPLITS"], LAST_READ=pol["LAST_READ"], WRITE=pol["WRITE"], **tiles)
     return y
 
 
 def softmax_backward(y, g, mask, lead_shape, m_strides, scale, log, out_dtype,
-                     strategy=None, block=None, splits=None):
+                     strategy=None, block=None, splits=None, unroll=None, programs=None):
     """dx for contiguous (rows, n_cols) ``y`` and ``g``; dx has the same (rows, n_cols) layout."""
     n_rows, n_cols = y.shape
     dx = torch.empty((n_rows, n_cols), dtype=out_dtype, device=y.device)
@@ -361,18 +695,26 @@ def softmax_backward(y, g, mask, lead_shape, m_strides, scale, log, out_dtype,
     kind = _mask_kind(mask)
     mask_arg = mask if mask is not None else y
     L1, L2 = lead_shape[1], lead_shape[2]
-    p = plan(n_rows, n_cols, strategy, block, splits)
+    reread = n_cols * (y.element_size() + g.element_size() + (mask.element_size() if mask is not None else 0))
+    p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, y.element_size(), reread)
     if p["strategy"] == "registers":
         _softmax_bwd_in_registers[(triton.cdiv(n_rows, p["ROWS"]),)](
             y, g, mask_arg, dx, n_rows, n_cols, L1, L2, *m_strides, scale,
             LOG=log, MASK_KIND=kind, ROWS=p["ROWS"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
         return dx
+    pol = _policies(p)
+    tiles = dict(BLOCK_N=p["BLOCK_N"], UNROLL=p["UNROLL"], STAGES=p["STAGES"], num_warps=p["num_warps"])
+    if p["strategy"] == "fused":
+        args = (y, g, mask_arg, dx, n_rows, n_cols, L1, L2, *m_strides, scale)
+        kw = dict(LOG=log, MASK_KIND=kind, **tiles, **pol)
+        grid = _persistent_grid(_softmax_bwd_fused, args, kw, p, y.device)
+        _softmax_bwd_fused[(grid,)](*args, **kw)
+        return dx
     part = torch.empty((n_rows * p["splits"],), dtype=torch.float32, device=y.device)
     grid = (n_rows * p["splits"],)
-    _softmax_bwd_partials[grid](
-        y, g, mask_arg, part, n_cols, L1, L2, p["chunk"], *m_strides, p["splits"],
-        LOG=log, MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
+    _softmax_bwd_partials[grid](y, g, part, n_cols, p["chunk"], p["splits"], LOG=log,
+                                FIRST_READ=pol["FIRST_READ"], **tiles)
     _softmax_bwd_write[grid](
         y, g, mask_arg, dx, part, n_cols, L1, L2, p["chunk"], *m_strides, scale, p["splits"],
-        LOG=log, MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], SPLITS=p["SPLITS"], num_warps=p["num_warps"])
+        LOG=log, MASK_KIND=kind, SPLITS=p["SPLITS"], LAST_READ=pol["LAST_READ"], WRITE=pol["WRITE"], **tiles)
     return dx

@@ -278,15 +278,83 @@ def test_plan_choices():
     assert ks.plan(1, 1)["BLOCK_N"] >= 1
     with pytest.raises(ValueError, match="strategy"):
         ks.plan(4, 100, strategy="bogus")
+    assert ks.plan(3, 100, strategy="online")["strategy"] == "split"  # the former name
     for n in (1, 17, 200, 1000, 4097):
         for block in (16, 64):
-            for splits in (1, 2, 3, 7, 64):
-                p = ks.plan(3, n, strategy="online", block=block, splits=splits)
-                assert p["strategy"] == "online" and p["BLOCK_N"] == block
-                assert p["chunk"] % block == 0, p
-                # every column is covered, no program gets an empty chunk, SPLITS holds them all
-                assert p["chunk"] * p["splits"] >= n and (p["splits"] - 1) * p["chunk"] < n, p
-                assert 1 <= p["splits"] <= splits and p["SPLITS"] >= p["splits"], p
+            for unroll in (1, 2, 4):
+                for splits in (1, 2, 3, 7, 64):
+                    p = ks.plan(3, n, strategy="split", block=block, splits=splits, unroll=unroll)
+                    assert p["strategy"] == "split" and p["BLOCK_N"] == block and p["UNROLL"] == unroll
+                    assert p["chunk"] % (block * unroll) == 0, p
+                    # every column is covered, no program gets an empty chunk, SPLITS holds them all
+                    assert p["chunk"] * p["splits"] >= n and (p["splits"] - 1) * p["chunk"] < n, p
+                    assert 1 <= p["splits"] <= splits and p["SPLITS"] >= p["splits"], p
+    p = ks.plan(5, 1000, strategy="fused", programs=8)
+    assert p["strategy"] == "fused" and p["programs"] == 5  # never more programs than rows
+
+
+def test_plan_on_h200_shapes(monkeypatch):
+    """The default plan at the benchmark's shapes (M x N = 2**28) on a 132-SM GPU."""
+    monkeypatch.setattr(ks, "_sms", lambda: 132)
+    monkeypatch.setattr(ks, "INTERPRET", False)
+    monkeypatch.delenv(ks.TUNING_ENV, raising=False)
+
+    def at(n, elem, **kw):
+        return ks.plan(2**28 // n, n, elem_bytes=elem, reread_bytes=n * elem, **kw)
+
+    for elem in (2, 4):
+        assert at(ks.IN_REGISTER_MAX, elem)["strategy"] == "registers"
+        for n in (2 * ks.IN_REGISTER_MAX, 65536, 262144, 1048576):
+            p = at(n, elem)
+            assert p["strategy"] == "fused", (n, elem, p)
+            # rows in flight x bytes per row within the L2 budget, or one row per SM
+            per_sm = p["programs"] // 132
+            assert per_sm >= 1 and (per_sm == 1 or per_sm * 132 * n * elem <= ks.FUSED_L2_BUDGET_MB * 2**20)
+            # the same warps per SM however many programs share an SM; 16-byte sub-tiles
+            assert p["num_warps"] * per_sm == ks.FUSED_WARPS_PER_SM
+            assert p["BLOCK_N"] * elem == p["num_warps"] * 32 * 16
+        p = at(4194304, elem)  # 64 rows: fewer than SMs
+        assert p["strategy"] == "split" and p["splits"] * 64 >= ks.SPLIT_PROGRAMS_PER_SM * 132
+    assert at(65536, 2)["programs"] == 2 * 132  # 128 KB rows: two rows per SM fit in L2
+    assert at(262144, 2)["programs"] == 132
+    assert ks.plan(131, 10**6)["strategy"] == "split" and ks.plan(132, 10**6)["strategy"] == "fused"
+    # Allowed below one program per SM, the longest rows get fewer, larger programs.
+    monkeypatch.setenv(ks.TUNING_ENV, "min_programs_per_sm=0.5")
+    p = at(262144, 2)
+    assert p["programs"] == 66 and p["num_warps"] == 32
+    assert at(65536, 2)["programs"] == 2 * 132  # unchanged where L2 holds a row per SM
+
+
+def test_resident_programs_per_sm(monkeypatch):
+    """The fused path's grid cap: programs one SM holds, by threads, registers, shared memory."""
+    import types
+
+    monkeypatch.setattr(ks, "_device_limits", lambda device_index: (2048, 65536, 233472))
+
+    def compiled(regs, shared):
+        return types.SimpleNamespace(n_regs=regs, metadata=types.SimpleNamespace(shared=shared),
+                                     _init_handles=lambda: None)
+
+    assert ks.resident_programs_per_sm(compiled(80, 64), 16, 0) == 1  # 80 x 512 registers: one
+    assert ks.resident_programs_per_sm(compiled(64, 64), 16, 0) == 2  # exactly two
+    assert ks.resident_programs_per_sm(compiled(64, 32), 8, 0) == 4
+    assert ks.resident_programs_per_sm(compiled(32, 32), 4, 0) == 16  # thread-bound
+    assert ks.resident_programs_per_sm(compiled(40, 100_000), 8, 0) == 2  # shared-memory-bound
+    assert ks.resident_programs_per_sm(compiled(255, 0), 32, 0) == 1  # never 0
+
+
+def test_tuning_knobs_from_environment(monkeypatch):
+    monkeypatch.setenv(ks.TUNING_ENV, "unroll=2, programs_per_sm=1,fused_min_rows_per_sm=1e9")
+    k = ks.knobs()
+    assert k["unroll"] == 2 and k["programs_per_sm"] == 1 and k["fused_min_rows_per_sm"] == 1e9
+    assert k["in_register_max"] == ks.IN_REGISTER_MAX  # untouched knobs keep the module's value
+    assert ks.plan(4, 10**6)["strategy"] == "split"
+    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8")
+    assert ks.plan(4, 9)["strategy"] == "fused" and ks.plan(4, 8)["strategy"] == "registers"
+    for bad in ("bogus=1", "unroll", "unroll=two"):
+        monkeypatch.setenv(ks.TUNING_ENV, bad)
+        with pytest.raises(ValueError):
+            ks.knobs()
 
 
 def test_collapse_rows():
@@ -303,14 +371,15 @@ def test_collapse_rows():
 
 
 # ---------------------------------------------------------------------------------------
-# Online (two-pass) strategy and its split-row variant, forced on small rows
+# Streaming strategies, forced on small rows: "fused" (both passes in one persistent
+# program, pass 2 backwards) and "split" (row chunks in separate programs, merged partials)
 # ---------------------------------------------------------------------------------------
 
 
 def _online_input(n, mode, seed):
-    """4 rows that stress the chunk merge: random; a ramp whose max grows in every chunk;
-    leading chunks all -inf; and a fourth row that is fully masked (bool), partially masked
-    (additive) or very large (no mask)."""
+    """4 rows that stress the running (max, sum) and the chunk merge: random; a ramp whose max
+    grows in every tile; leading tiles all -inf; and a fourth row that is fully masked (bool),
+    partially masked (additive) or very large (no mask)."""
     x = randn(4, n, seed=seed)
     x[1] = torch.linspace(-20.0, 20.0, n) + 0.1 * x[1]
     x[2, : (3 * n) // 5] = NEG_INF
@@ -340,81 +409,126 @@ def _launch(x, mask, scale, log, dtype, g, **override):
     return y, dx
 
 
-ONLINE_CASES = [
-    # n, block, splits, mask mode, log
-    (1, 16, 1, "none", False),
-    (1, 16, 7, "bool", True),
-    (17, 16, 1, "bool", False),
-    (17, 16, 2, "add", True),
-    (17, 16, 3, "none", False),
-    (17, 16, 7, "bool", True),
-    (200, 16, 1, "none", True),
-    (200, 16, 7, "bool", True),
-    (200, 64, 2, "bool", False),
-    (200, 64, 3, "add", False),
-    (200, 64, 7, "none", False),
-    (200, 64, 3, "add", True),
-    (1000, 64, 1, "bool", False),
-    (1000, 64, 2, "add", False),
-    (1000, 64, 3, "none", True),
-    (1000, 64, 7, "bool", True),
+def _stream_kw(strategy, block, unroll, count):
+    """Launch overrides: ``count`` is the splits per row (split) or the persistent grid (fused)."""
+    kw = dict(strategy=strategy, block=block, unroll=unroll)
+    kw["splits" if strategy == "split" else "programs"] = count
+    return kw
+
+
+STREAM_CASES = [
+    # strategy, n, block, unroll, splits (split) / programs (fused), mask mode, log
+    ("split", 1, 16, 2, 7, "bool", True),
+    ("split", 17, 16, 1, 2, "add", True),
+    ("split", 17, 16, 2, 3, "none", False),
+    ("split", 17, 16, 1, 7, "bool", True),
+    ("split", 200, 16, 1, 7, "bool", True),
+    ("split", 200, 64, 1, 2, "bool", False),
+    ("split", 200, 16, 4, 3, "add", False),
+    ("split", 200, 32, 2, 3, "add", True),
+    ("split", 1000, 64, 2, 1, "bool", False),
+    ("split", 1000, 64, 4, 3, "none", True),
+    ("split", 1000, 64, 2, 5, "bool", True),
+    ("fused", 1, 16, 1, 1, "bool", True),
+    ("fused", 17, 16, 2, 3, "bool", True),
+    ("fused", 17, 16, 1, 4, "add", False),
+    ("fused", 200, 16, 2, 1, "bool", False),
+    ("fused", 200, 16, 4, 3, "none", True),
+    ("fused", 200, 32, 1, 2, "add", True),
+    ("fused", 1000, 64, 2, 3, "bool", True),
+    ("fused", 1000, 64, 4, 1, "add", False),
+    ("fused", 1000, 32, 4, 2, "none", True),
 ]
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ONLINE_CASES, ids=lambda c: "n{}-b{}-s{}-{}-{}".format(*c[:4], "log" if c[4] else "sm"))
-def test_online_split_matches_registers_and_oracle(case):
-    n, block, splits, mode, log = case
-    x, mask = _online_input(n, mode, seed=n + splits)
+@pytest.mark.parametrize("case", STREAM_CASES,
+                         ids=lambda c: "{}-n{}-b{}x{}-{}-{}-{}".format(*c[:6], "log" if c[6] else "sm"))
+def test_streaming_matches_registers_and_oracle(case):
+    strategy, n, block, unroll, count, mode, log = case
+    x, mask = _online_input(n, mode, seed=n + count)
     scale = 0.7
     g = randn(4, n, seed=99)
     y_reg, dx_reg = _launch(x, mask, scale, log, F32, g, strategy="registers")
-    y_onl, dx_onl = _launch(x, mask, scale, log, F32, g, strategy="online", block=block, splits=splits)
+    y_str, dx_str = _launch(x, mask, scale, log, F32, g, **_stream_kw(strategy, block, unroll, count))
     # Against the oracle, forward and backward.
     x64 = x.double().requires_grad_(True)
     y64 = oracle(x64, -1, scale, mask, log)
     (dx64,) = torch.autograd.grad(y64, x64, g.double())
     eexp = exponent_error(x, -1, scale, mask)
-    for name, y, dx in (("registers", y_reg, dx_reg), ("online", y_onl, dx_onl)):
+    for name, y, dx in (("registers", y_reg, dx_reg), (strategy, y_str, dx_str)):
         assert_fwd(y, y64, F32, log, name=f"y[{name}]", eexp=eexp)
         assert_grad(dx, dx64, y64.detach(), g.double(), -1, scale, log, F32, name=f"dx[{name}]", eexp=eexp)
-    # The split-row merge gives the same numbers as one pass over the whole row in registers
-    # (float32, different summation order only).
-    _, _, finite = _same_nonfinite(y_onl, y_reg, "online vs registers")
-    assert torch.allclose(y_onl[finite], y_reg[finite], rtol=4e-6, atol=1e-7)
-    assert torch.allclose(dx_onl, dx_reg, rtol=1e-5, atol=1e-7)
+    # The running / merged (max, sum) give the same numbers as one pass over the whole row
+    # in registers (float32, different summation order only).
+    _, _, finite = _same_nonfinite(y_str, y_reg, f"{strategy} vs registers")
+    assert torch.allclose(y_str[finite], y_reg[finite], rtol=4e-6, atol=1e-7)
+    assert torch.allclose(dx_str, dx_reg, rtol=1e-5, atol=1e-7)
     if mode == "bool":
-        assert torch.equal(y_onl[3], torch.full_like(y_onl[3], NEG_INF if log else 0.0))
-        assert torch.equal(dx_onl[3], torch.zeros_like(dx_onl[3]))  # nothing kept: gradient exactly 0
-        assert torch.equal(dx_onl[~mask], torch.zeros_like(dx_onl[~mask]))
+        assert torch.equal(y_str[3], torch.full_like(y_str[3], NEG_INF if log else 0.0))
+        assert torch.equal(dx_str[3], torch.zeros_like(dx_str[3]))  # nothing kept: gradient exactly 0
+        assert torch.equal(dx_str[~mask], torch.zeros_like(dx_str[~mask]))
 
 
 @needs_kernels
+@pytest.mark.parametrize("strategy", ["split", "fused"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
-def test_online_low_precision(dtype):
+def test_streaming_low_precision(dtype, strategy):
     x = randn(3, 200, dtype=dtype, seed=8)
     g = randn(3, 200, dtype=dtype, seed=9)
-    y, dx = _launch(x, None, 1.0, False, dtype, g, strategy="online", block=64, splits=3)
-    x64 = x.double().requires_grad_(True)
-    y64 = oracle(x64)
-    (dx64,) = torch.autograd.grad(y64, x64, g.double())
-    assert_fwd(y, y64, dtype)
-    assert_grad(dx, dx64, y64.detach(), g.double(), -1, None, False, dtype)
+    for log in (False, True):
+        y, dx = _launch(x, None, 1.0, log, dtype, g, **_stream_kw(strategy, 32, 2, 2))
+        x64 = x.double().requires_grad_(True)
+        y64 = oracle(x64, log=log)
+        (dx64,) = torch.autograd.grad(y64, x64, g.double())
+        assert_fwd(y, y64, dtype, log)
+        assert_grad(dx, dx64, y64.detach(), g.double(), -1, None, log, dtype)
 
 
 @needs_kernels
+@pytest.mark.parametrize("strategy", ["split", "fused"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-def test_public_api_through_online_path(monkeypatch, log):
-    """With IN_REGISTER_MAX lowered the op's default plan takes the online (split) path: the
-    autograd wiring, dims, strides and masks go through it too."""
+def test_streaming_extreme_values(strategy, log):
+    """+-1000 logits (and a constant 1000 row) are exact through the running max; a row whose
+    max sits in its last tile exercises the rescaling of everything summed before it."""
+    n = 150
+    x = randn(5, n, seed=24, std=1000.0)
+    x[1] = torch.tensor([1000.0, -1000.0] * (n // 2), device=DEVICE)
+    x[2] = 1000.0
+    x[3, :] = -1000.0
+    x[3, -1] = -999.0
+    x[4] = torch.linspace(-3000.0, 3000.0, n, device=DEVICE)
+    g = randn(5, n, seed=25)
+    y, dx = _launch(x, None, 1.0, log, F32, g, **_stream_kw(strategy, 16, 2, 3))
+    assert torch.isfinite(y).all() and torch.isfinite(dx).all()
+    x64 = x.double().requires_grad_(True)
+    y64 = oracle(x64, log=log)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    eexp = exponent_error(x)
+    assert_fwd(y, y64, F32, log, eexp=eexp)
+    assert_grad(dx, dx64, y64.detach(), g.double(), -1, None, log, F32, eexp=eexp)
+    if not log:
+        assert torch.equal(y[2], torch.full_like(y[2], 1.0 / n))
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_public_api_through_streaming_paths(monkeypatch, log, path):
+    """With IN_REGISTER_MAX lowered the op's default plan streams (fused, or split when
+    FUSED_MIN_ROWS_PER_SM asks for more rows than there are): the autograd wiring, dims,
+    strides (a transposed view, a sliced one) and masks go through it too."""
     monkeypatch.setattr(ks, "IN_REGISTER_MAX", 64)
+    if path == "split":
+        monkeypatch.setattr(ks, "FUSED_MIN_ROWS_PER_SM", 10**6)
     p = ks.plan(2, 130)
-    assert p["strategy"] == "online" and (p["splits"] > 1 or not INTERPRET)
+    assert p["strategy"] == path and (path == "fused" or p["splits"] > 1 or not INTERPRET)
     base = randn(130, 2, seed=11)
     mask = torch.rand(130, 1, generator=torch.Generator().manual_seed(1)) > 0.2
     mask[-1] = True
     run_case(base, dim=0, scale=0.5, mask=mask.to(DEVICE), log=log)
     run_case(randn(2, 130, seed=12), view=lambda t: t.t(), dim=0, log=log)
+    run_case(randn(6, 400, seed=13), view=lambda t: t[::2, 1::3], log=log)
 
 
 # ---------------------------------------------------------------------------------------
@@ -569,12 +683,14 @@ def _scale_param(scale, n, strategy, masked=False):
 SCALE_CASES = [
     _scale_param(s, n, strat)
     for s in (0.125, 3.0, -1.0)
-    for n, strat in ((31, "registers"), (32, "registers"), (200, "online"))
+    for n, strat in ((31, "registers"), (32, "registers"), (200, "split"), (200, "fused"))
 ] + [
     _scale_param(0.0, 31, "registers"),
     _scale_param(0.0, 32, "registers"),
     _scale_param(-1.0, 31, "registers", masked=True),
-    _scale_param(-1.0, 200, "online", masked=True),
+    _scale_param(-1.0, 200, "split", masked=True),
+    _scale_param(-1.0, 200, "fused", masked=True),
+    _scale_param(0.0, 200, "fused"),
 ]
 
 
@@ -586,7 +702,7 @@ def test_scale(scale, n, strategy, masked):
     if mask is not None:
         mask[:, 0] = True
     g = randn(3, n, seed=15)
-    kw = dict(strategy="online", block=64, splits=2) if strategy == "online" else dict(strategy="registers")
+    kw = dict(strategy="registers") if strategy == "registers" else _stream_kw(strategy, 64, 1, 2)
     for log in (False, True):
         y, dx = _launch(x, mask, scale, log, F32, g, **kw)
         x64 = x.double().requires_grad_(True)
@@ -650,7 +766,7 @@ def test_large_common_offset_fp32(log):
 
 
 @needs_kernels
-@pytest.mark.parametrize("strategy", ["registers", "online"])
+@pytest.mark.parametrize("strategy", ["registers", "split", "fused"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_non_finite_inputs(log, strategy):
     n = 40
@@ -661,7 +777,7 @@ def test_non_finite_inputs(log, strategy):
     x[4, ::3] = NEG_INF  # some -inf entries: ordinary
     x[5, 39] = POS_INF
     x[5, 0] = NAN
-    kw = dict(strategy="online", block=16, splits=3) if strategy == "online" else dict(strategy="registers")
+    kw = dict(strategy="registers") if strategy == "registers" else _stream_kw(strategy, 16, 1, 3)
     g = randn(6, n, seed=22)
     y, dx = _launch(x, None, 1.0, log, F32, g, **kw)
     ref = oracle(x, log=log)
@@ -841,7 +957,7 @@ def test_public_api_takes_cpu_path_without_interpreter(monkeypatch, log):
 # GPU (skipped without CUDA): large rows, bf16, attention-score-shaped masks
 # ---------------------------------------------------------------------------------------
 
-GPU_ROW_LENGTHS = [1, 31, 32, 33, 1023, 1024, 1025, 32768, 32769, 65537, 262144]
+GPU_ROW_LENGTHS = [1, 31, 32, 33, 1023, 1024, 1025, 16384, 16385, 32768, 32769, 65537, 262144, 262145]
 
 
 def _gpu_fwd_bwd(x, dim=-1, scale=None, mask=None, log=False, seed=1):
@@ -870,11 +986,61 @@ def test_gpu_row_lengths(n, dtype, log):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-def test_gpu_huge_rows_bf16_split(log):
-    x = randn(2, 4_194_304, dtype=BF16, device="cuda", seed=40)
-    p = ks.plan(2, x.shape[1])
-    assert p["strategy"] == "online" and p["splits"] > 1
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_gpu_huge_rows_split(dtype, log):
+    x = randn(2, 4_194_304, dtype=dtype, device="cuda", seed=40)
+    p = ks.plan(2, x.shape[1], elem_bytes=x.element_size())
+    assert p["strategy"] == "split" and p["splits"] > 1
     _gpu_fwd_bwd(x, log=log)
+
+
+def _gpu_rows_for_fused():
+    """Enough rows for the default plan to take the fused path on this GPU."""
+    return int(ks.FUSED_MIN_ROWS_PER_SM * ks.sm_count(torch.cuda.current_device())) + 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+@pytest.mark.parametrize("n,log", [(16385, False), (65537, True), (262145, False)], ids=str)
+def test_gpu_streaming_paths(n, log, dtype, path, monkeypatch):
+    """Rows just past the in-register limit and past powers of two (ragged last tile, rows
+    not 16-byte aligned), through the default plan (fused: enough rows) and forced split."""
+    if path == "split":
+        monkeypatch.setenv(ks.TUNING_ENV, "fused_min_rows_per_sm=1000000")
+    rows = _gpu_rows_for_fused()
+    x = randn(rows, n, dtype=dtype, device="cuda", seed=n + 1, std=3.0)
+    assert ks.plan(rows, n, elem_bytes=x.element_size())["strategy"] == path
+    _gpu_fwd_bwd(x, scale=0.7, log=log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_gpu_fused_masked_and_extreme_rows(log):
+    rows, n = _gpu_rows_for_fused(), 65536
+    x = randn(rows, n, dtype=BF16, device="cuda", seed=45, std=2.0)
+    x[0] = 1000.0
+    x[1, ::2], x[1, 1::2] = 1000.0, -1000.0
+    if not log:  # (log-softmax's gradient of an all -inf row is not the oracle's 0: see above)
+        x[2] = NEG_INF  # all -inf: zeros
+    keep = _bool_mask(rows, n, seed=46, p=0.3)
+    keep[3] = False  # fully masked
+    keep[:3] = True
+    y, dx = _gpu_fwd_bwd(x, mask=keep, log=log)
+    if not log:
+        assert torch.equal(y[2], torch.zeros_like(y[2]))
+    assert torch.equal(y[3], torch.full_like(y[3], NEG_INF if log else 0.0))
+    assert torch.equal(dx[3], torch.zeros_like(dx[3]))
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_knobs_keep_results(monkeypatch):
+    """Every knob setting the tuning script sweeps computes the same function."""
+    rows = _gpu_rows_for_fused()
+    x = randn(rows, 65537, dtype=BF16, device="cuda", seed=47)
+    for config in ("programs_per_sm=1", "warps_per_sm=32,unroll=1", "evict=0,block=1024", "stages=2"):
+        monkeypatch.setenv(ks.TUNING_ENV, config)
+        _gpu_fwd_bwd(x, log=False)
 
 
 @pytest.mark.gpu
