@@ -16,6 +16,8 @@ for the backward and 3.5 for forward + backward.  Timings are medians from
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import torch
 
 from flashtile.bench.common import environment, save_results
@@ -24,6 +26,7 @@ SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
 ALL_IMPLS = ("flashtile", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "naive")
 NAIVE_BYTES_LIMIT = 48 * 2**30
+MEMORY_SEQLENS = (1024, 4096, 16384, 32768)
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode) -> float:
@@ -133,7 +136,7 @@ def run_gpu_benchmark(
     causals=(False, True),
     modes=("fwd", "fwd_bwd"),
     dtype=torch.bfloat16,
-    memory_seqlen=32768,
+    memory_seqlens=MEMORY_SEQLENS,
     progress=True,
 ) -> list[dict]:
     """Run the benchmark, append records to ``out_dir/attention.jsonl`` and draw the plots."""
@@ -175,22 +178,30 @@ def run_gpu_benchmark(
         del q, k, v
         torch.cuda.empty_cache()
 
-    if memory_seqlen:
+    # Peak extra memory of one forward + backward against N (16 heads, d = 128), every peer;
+    # naive attention only while its N x N scores fit.
+    for seqlen in memory_seqlens or ():
         for impl in impls:
-            if impl == "naive":
-                continue
             for causal in causals:
                 nheads, headdim = 16, 128
                 rec = dict(bench="attention_memory", impl=impl, mode="fwd_bwd", dtype=str(dtype).replace("torch.", ""),
-                           batch=1, nheads=nheads, nheads_k=nheads, seqlen_q=memory_seqlen, seqlen_k=memory_seqlen,
+                           batch=1, nheads=nheads, nheads_k=nheads, seqlen_q=seqlen, seqlen_k=seqlen,
                            headdim=headdim, causal=causal, **env)
+                if impl == "naive" and nheads * seqlen * seqlen * (2 + 4 + 2) * 3 > NAIVE_BYTES_LIMIT:
+                    records.append(dict(rec, peak_extra_bytes=None, skipped="scores would not fit"))
+                    continue
                 try:
-                    records.append(dict(rec, peak_extra_bytes=peak_extra_memory(impl, causal, 1, memory_seqlen, nheads, headdim, dtype)))
+                    records.append(dict(rec, peak_extra_bytes=peak_extra_memory(impl, causal, 1, seqlen, nheads, headdim, dtype)))
                 except Exception as e:  # noqa: BLE001
                     records.append(dict(rec, peak_extra_bytes=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
 
     save_results(records, out_dir, "attention", print_table, plot)
+    if any(r["bench"] == "attention_memory" for r in records):
+        try:
+            plot_memory(records, Path(out_dir) / "attention_memory.png")
+        except ImportError:
+            pass
     return records
 
 
@@ -206,10 +217,11 @@ def print_table(records) -> None:
         print(f"{d:>4} {int(c):>6} {m:>8} {n:>6} {cells}")
     mem = [r for r in records if r["bench"] == "attention_memory"]
     if mem:
-        print(f"\nPeak extra memory, fwd+bwd, N={mem[0]['seqlen_q']}, {mem[0]['nheads']} heads, d={mem[0]['headdim']}")
+        print(f"\nPeak extra memory (MiB), fwd+bwd, batch 1, {mem[0]['nheads']} heads, d={mem[0]['headdim']}")
         for r in mem:
             b = r.get("peak_extra_bytes")
-            print(f"  {r['impl']:>14} causal={int(r['causal'])}: {b / 2**20:.1f} MiB" if b is not None else f"  {r['impl']:>14} causal={int(r['causal'])}: -")
+            cell = f"{b / 2**20:.1f} MiB" if b is not None else "-"
+            print(f"  N={r['seqlen_q']:>6} {r['impl']:>14} causal={int(r['causal'])}: {cell}")
 
 
 def plot(records, path) -> None:
@@ -243,6 +255,34 @@ def plot(records, path) -> None:
     plt.close(fig)
 
 
+def plot_memory(records, path) -> None:
+    """Peak extra bytes of one forward + backward against N, log-log, one line per peer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r["bench"] == "attention_memory" and r.get("peak_extra_bytes")]
+    causals = sorted({r["causal"] for r in rows})
+    fig, axes = plt.subplots(1, len(causals), figsize=(4.5 * len(causals), 3.6), squeeze=False)
+    for ax, causal in zip(axes[0], causals):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = sorted((r["seqlen_q"], r["peak_extra_bytes"]) for r in rows if (r["impl"], r["causal"]) == (impl, causal))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], marker="o", label=impl,
+                        lw=2.5 if impl == "flashtile" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"fwd+bwd peak extra memory, {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("MiB beyond q, k, v, dout")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _cli():
     import argparse
 
@@ -255,7 +295,7 @@ def _cli():
     ap.add_argument("--no-memory", action="store_true")
     args = ap.parse_args()
     run_gpu_benchmark(args.out, compare=[c for c in args.compare.split(",") if c], quick=args.quick,
-                      headdims=args.headdims, seqlens=args.seqlens, memory_seqlen=0 if args.no_memory else 32768)
+                      headdims=args.headdims, seqlens=args.seqlens, memory_seqlens=() if args.no_memory else MEMORY_SEQLENS)
 
 
 if __name__ == "__main__":
