@@ -41,14 +41,18 @@ IMPLS = ("flashtile", "flashtile_paged16", "flashtile_paged256", "flashtile_nosp
          "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex")
 
 
-def _paged(cache: torch.Tensor, page_size: int, generator: torch.Generator):
-    """The contiguous cache (b, n, hk, d) cut into pages stored in shuffled order + block table."""
-    b, n, hk, d = cache.shape
+def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, generator: torch.Generator):
+    """The contiguous caches (b, n, hk, d) cut into pages stored in one shuffled order, and
+    the block table that finds them (the same for K and V)."""
+    b, n, hk, d = k_cache.shape
     per_seq = n // page_size
-    order = torch.randperm(b * per_seq, generator=generator).to(cache.device)
-    pool = torch.empty((b * per_seq, page_size, hk, d), dtype=cache.dtype, device=cache.device)
-    pool[order] = cache.reshape(b * per_seq, page_size, hk, d)
-    return pool, order.view(b, per_seq).to(torch.int32)
+    order = torch.randperm(b * per_seq, generator=generator).to(k_cache.device)
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.empty((b * per_seq, page_size, hk, d), dtype=cache.dtype, device=cache.device)
+        pool[order] = cache.reshape(b * per_seq, page_size, hk, d)
+        pools.append(pool)
+    return pools[0], pools[1], order.view(b, per_seq).to(torch.int32)
 
 
 def _make_fn(impl, q, k_cache, v_cache, generator):
@@ -64,8 +68,7 @@ def _make_fn(impl, q, k_cache, v_cache, generator):
         return lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=1)
     if impl.startswith("flashtile_paged"):
         page = int(impl.removeprefix("flashtile_paged"))
-        kp, table = _paged(k_cache, page, generator)
-        vp, _ = _paged(v_cache, page, generator)
+        kp, vp, table = _paged(k_cache, v_cache, page, generator)
         return lambda: flashtile.flash_attn_with_kvcache(q, kp, vp, block_table=table)
     if impl == "flashtile_prefill":
         return lambda: flashtile.flash_attn_func(q, k_cache, v_cache)
@@ -76,7 +79,7 @@ def _make_fn(impl, q, k_cache, v_cache, generator):
 
         def sdpa_gqa():
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+                return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True).transpose(1, 2)
 
         try:
             sdpa_gqa()
@@ -87,7 +90,7 @@ def _make_fn(impl, q, k_cache, v_cache, generator):
 
             def sdpa_expanded():
                 with sdpa_kernel([backend]):
-                    return F.scaled_dot_product_attention(qh, ke, ve)
+                    return F.scaled_dot_product_attention(qh, ke, ve).transpose(1, 2)
 
             sdpa_expanded.expanded = True
             return sdpa_expanded
@@ -99,7 +102,7 @@ def _make_fn(impl, q, k_cache, v_cache, generator):
         if hasattr(_dynamo.config, "recompile_limit"):
             _dynamo.config.recompile_limit = 1024
         compiled = torch.compile(flex_attention, dynamic=False)
-        return lambda: compiled(qh, kh, vh, enable_gqa=True)
+        return lambda: compiled(qh, kh, vh, enable_gqa=True).transpose(1, 2)
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
 
 
@@ -139,6 +142,8 @@ def run_decode_benchmark(out_dir="benchmarks/results", batches=BATCHES, caches=C
                 out = fn()
                 if reference is None:
                     reference = out.float()
+                if out.shape != reference.shape:  # every peer returns flash-attn's (b, 1, h, d) layout
+                    raise RuntimeError(f"{impl} returned shape {tuple(out.shape)}, expected {tuple(reference.shape)}")
                 err = (out.float() - reference).abs().max().item()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                 try:
