@@ -47,6 +47,29 @@ def test_philox_matches_triton_rand():
         assert torch.equal(got, want)
 
 
+@needs_kernels
+def test_philox4x32_matches_triton_randint4x():
+    """All four words, bit for bit: the kernels' keep decisions use every one of them."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def draw(out, seed, offset, N: tl.constexpr):
+        idx = tl.arange(0, N)
+        r0, r1, r2, r3 = tl.randint4x(seed, idx.to(tl.int64) * 7919 + offset)
+        # uint32 -> int64 zero-extends: the stored values are the words' unsigned values.
+        tl.store(out + idx, r0.to(tl.int64))
+        tl.store(out + N + idx, r1.to(tl.int64))
+        tl.store(out + 2 * N + idx, r2.to(tl.int64))
+        tl.store(out + 3 * N + idx, r3.to(tl.int64))
+
+    for seed, offset in [(0, 0), (2**61 + 3, 2**34 + 5)]:
+        got = torch.empty(4 * 64, dtype=torch.int64, device=DEVICE)
+        draw[(1,)](got, seed, offset, 64)
+        want = fd.philox4x32(seed, torch.arange(64, dtype=torch.int64, device=DEVICE) * 7919 + offset)
+        assert torch.equal(got.view(4, 64), torch.stack(want))
+
+
 def test_keep_rate_and_independence():
     mask = fd.dropout_mask(1234, 0, 2, 4, 64, 128, 0.3)
     rate = mask.float().mean().item()

@@ -116,7 +116,8 @@ def flashtile_attention_forward(
             or a 4-D boolean / additive mask ``(batch or 1, 1 or heads, seq_q, seq_k)``.
         scaling: score scale (default ``dim ** -0.5``); dropout: attention dropout probability
             (transformers passes 0 outside training); sliding_window: the layer's window size in
-            tokens (query ``i`` sees keys ``i - sliding_window < j <= i``); softcap: tanh cap of
+            tokens (causal: query ``i`` sees keys ``i - sliding_window < j <= i``; bidirectional:
+            ``|i - j| < sliding_window``, as transformers' flash-attention path); softcap: tanh cap of
             the scores; is_causal: overrides ``module.is_causal``.
         kwargs: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
             (packed batch), ``position_bias`` (an additive score bias), the rest is ignored.
@@ -173,10 +174,10 @@ def _window(causal: bool, sliding_window) -> tuple[int, int]:
     size = int(sliding_window)
     if size <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
-    # Causal: key j is visible iff i - size < j <= i (transformers' sliding_window_overlay), i.e.
-    # size - 1 keys to the left.  Bidirectional: |i - j| <= size, as transformers' bidirectional
-    # sliding-window mask has it.
-    return (size - 1, 0) if causal else (size, size)
+    # transformers' attention-function convention (its flash-attention path): the window spans
+    # size - 1 keys on each side it opens, i.e. causal i - size < j <= i, bidirectional
+    # |i - j| < size.  Models whose bidirectional mask is |i - j| <= w pass size = w + 1.
+    return (size - 1, 0) if causal else (size - 1, size - 1)
 
 
 def _band(seqlen_q: int, seqlen_k: int, window, device) -> torch.Tensor:
@@ -217,7 +218,9 @@ def _attend_padded(query, key, value, key_keep, causal, window, scale, dropout, 
         raise ValueError(f"a causal layer's 2-D attention_mask must cover the {seqlen_q} query positions, "
                          f"got {visible} keys")
     key, value = key[:, :, :visible], value[:, :, :visible]
-    if _compiling():
+    # A bidirectional window depends on where each real key sits, which packing loses (the packed
+    # call aligns queries to the real keys from the bottom right): materialise the mask instead.
+    if _compiling() or (not causal and window != (-1, -1)):
         # Packing needs data-dependent shapes; materialise the mask instead (exact, slower).
         keep, _ = _dense_mask(key_keep, seqlen_q, visible, causal, window, query.device)
         return _math_attention(query, key, value, keep, None, scale, dropout, softcap)

@@ -220,6 +220,42 @@ def test_packed_batch_through_cu_seq_lens_kwargs():
         torch.testing.assert_close(out[:, piece], alone, atol=1e-6, rtol=1e-5)
 
 
+class _Bidirectional(torch.nn.Module):
+    is_causal = False
+
+
+@pytest.mark.parametrize("route", ["no mask", "packed", "right padding", "left padding"])
+def test_bidirectional_sliding_window_follows_the_flash_convention(route):
+    """sliding_window = w means |i - j| < w on every route (transformers' flash-attention path:
+    window (w - 1, w - 1)); with padding, windows count real positions, not packed ones."""
+    query, key, value = _qkv(batch=2, seqlen_q=8, seqlen_k=8)
+    w = 3
+    pos = torch.arange(8)
+    band = (pos[:, None] - pos[None, :]).abs() < w
+    keys = torch.ones(2, 8, dtype=torch.bool)
+    kwargs = {}
+    mask = None
+    if route == "right padding":
+        keys[0, 6:] = False
+        mask = keys
+    elif route == "left padding":
+        keys[1, :3] = False
+        mask = keys
+    elif route == "packed":
+        query, key, value = (t[:1] for t in (query, key, value))
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+        segment = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+        keys = keys[:1]
+        band = band & (segment[:, None] == segment[None, :])
+    out, _ = flashtile_attention_forward(_Bidirectional(), query, key, value, mask, scaling=0.25,
+                                         sliding_window=w, **kwargs)
+    keep = (band[None] & keys[:, None, :])[:, None]
+    expected = _eager_reference(query, key, value, keep, 0.25)
+    real = keys  # padded query rows are not compared
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-4)
+
+
 def test_dropout_reaches_the_kernels_in_training_only():
     config = _llama_config(attention_dropout=0.5)
     _, ours = _pair(config)

@@ -126,6 +126,7 @@ CASES = [
     (1, 1, 200, 4, 1, 64, True, "head"),  # one query (decoding) against a ragged key run
     (1, 40, 40, 2, 2, 48, False, "head"),  # head dim padded to 64 inside the descriptors
     (1, 33, 33, 1, 1, 16, True, "tensor"),  # head dim padded to 32 (one FP8 k-step)
+    (2, 17, 33, 4, 2, 64, True, "head"),  # per-(batch, kv head) descales: batch and head strides
 ]
 
 
