@@ -69,26 +69,13 @@ _UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
 
 
 def _attention_fn(impl: str, causal: bool, headdim: int):
-    """``f(q, k, v) -> out`` on flash-attn layout tensors."""
-    import torch
+    """``f(q, k, v) -> out`` on flash-attn layout tensors: the attention benchmark's own peers
+    (the model's naive_forward_io follows its naive one)."""
+    if impl not in DEFAULT_IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(DEFAULT_IMPLS)}, got {impl!r}")
+    from flashtile.bench.gpu import _impl_fn
 
-    if impl == "flashtile":
-        import flashtile
-
-        return lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal)
-    if impl == "naive":
-        # Same ops as flashtile.bench.gpu's naive peer (the model's naive_forward_io follows it).
-        def naive(q, k, v):
-            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            s = (qh @ kh.transpose(-1, -2)) * (headdim ** -0.5)
-            if causal:
-                n, m = s.shape[-2:]
-                keep = torch.ones(n, m, dtype=torch.bool, device=s.device).tril(m - n)
-                s = s.masked_fill(~keep, float("-inf"))
-            return (torch.softmax(s.float(), dim=-1).to(q.dtype) @ vh).transpose(1, 2)
-
-        return naive
-    raise ValueError(f"impl must be one of {', '.join(DEFAULT_IMPLS)}, got {impl!r}")
+    return _impl_fn(impl, causal, headdim)
 
 
 def _run_case(case: dict, marker, progress: dict) -> None:
