@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
+# everything under $OUT into ONE archive (the device tool drops files past a small count).
+#   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax features decode fp8 ring io
+# Each part runs under its own time limit, so one slow part cannot eat the others' time.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/flashtile-out}
+RES="$OUT/results"
+mkdir -p "$RES"
+python3 -m pip install -q -e . --no-deps --no-build-isolation 2>&1 | tail -2
+parts=${*:-tests attention softmax features decode fp8 ring io}
+t0=$(date +%s)
+run() {  # run NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s) at $(( $(date +%s) - t0 ))s"
+  timeout "$limit" "$@" > "$RES/$name.log" 2>&1
+  echo "    rc=$? $(tail -n 3 "$RES/$name.log" | tr '\n' ' ' | cut -c1-300)"
+}
+for part in $parts; do
+  case $part in
+    tests) run gpu_tests 300 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
+    attention) run attention 420 python3 -m flashtile.bench.gpu --out "$RES" ;;
+    softmax) run softmax 120 python3 -m flashtile.bench.softmax --out "$RES" ;;
+    features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
+    decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
+    fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"
+         run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
+    ring) run ring 90 python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/bench_ring.py \
+            --seqlens 32k 64k 128k --out "$RES" ;;
+    io) run iomodel 120 python3 benchmarks/measure_io.py --out "$RES" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$RES"
+echo "packed $OUT/results.tgz after $(( $(date +%s) - t0 ))s"
