@@ -170,8 +170,11 @@ def attention_backward(
     alibi_slopes: torch.Tensor | None = None,
     dropout: tuple | None = None,
     rng_rows: tuple | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tiled backward by recomputation: P is rebuilt chunk by chunk from Q, K and the LSE."""
+    """Tiled backward by recomputation: P is rebuilt chunk by chunk from Q, K and the LSE.
+
+    Always deterministic (no atomics); ``deterministic`` is accepted like the GPU backend's."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
@@ -278,7 +281,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
                               window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, dropout=None,
-                              max_seqlen_q=None, max_seqlen_k=None):
+                              max_seqlen_q=None, max_seqlen_k=None, deterministic=False):
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)

@@ -78,10 +78,10 @@ def attention_backward(
     offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Both backends are deterministic (no atomics), so ``deterministic`` needs no branch.
+    # The default kernels are deterministic; ``deterministic`` rules out the experimental atomic dQ.
     return _backend(q).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset),
+        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap=softcap,
+        alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset), deterministic=deterministic,
     )
 
 
@@ -185,7 +185,7 @@ def varlen_attention_backward(
     return _backend(q).varlen_attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )
 
 
