@@ -104,6 +104,24 @@ def test_atomic_dq_matches_reference(case, kv_as_b, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("causal", [False, True])
+def test_atomic_dq_packed_batch_matches_dq_kernel(causal, monkeypatch):
+    """Packed rows (an empty sequence, Nq != Nk): atomic dQ equals the dQ kernel's to rounding."""
+    gen = torch.Generator().manual_seed(0)
+    cu_q = torch.tensor([0, 20, 20, 53], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 25, 30, 61], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(n, h, 32, generator=gen).to(DEVICE) for n, h in ((53, 4), (61, 2), (61, 2)))
+    right = 0 if causal else -1
+    out, lse = ka.varlen_attention_forward(q, k, v, cu_q, cu_k, 0.2, -1, right)
+    dout = torch.randn(out.shape, generator=gen).to(DEVICE)
+    want = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.2, -1, right)
+    monkeypatch.setattr(ka, "ATOMIC_DQ", True)
+    got = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.2, -1, right)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@needs_kernels
 @pytest.mark.parametrize("case", CASES[1:7:2], ids=lambda c: "q{}-k{}-d{}".format(c[1], c[2], c[5]))
 def test_fwd_bwd_matches_reference_fp16(case):
     _run_and_check(*case, dtype=torch.float16)
