@@ -19,6 +19,8 @@ own CUDA dropout does.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -40,15 +42,15 @@ def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
-def philox4x32(seed: int, counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The four uint32 words (as int64) of Philox-4x32-10 per int64 counter, identical to
-    ``tl.randint4x(seed, counters)``."""
+def philox4x32(seed: int, counters: torch.Tensor, rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """The four uint32 words (as int64) of Philox-4x32-``rounds`` per int64 counter, identical to
+    ``tl.randint4x(seed, counters, rounds)``."""
     c = counters.to(torch.int64)
     c0, c1 = c & _MASK32, (c >> 32) & _MASK32
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
-    for _ in range(10):
+    for _ in range(rounds):
         hi_b, lo_b = _mul32(_PHILOX_B, c2)
         hi_a, lo_a = _mul32(_PHILOX_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
@@ -66,6 +68,10 @@ def philox_uniform(seed: int, counters: torch.Tensor) -> torch.Tensor:
 
 
 KEYS_PER_CALL = 8  # 16-bit numbers per Philox call (4 words x 2 halves)
+# Philox rounds of the dropout mask: 10 (Random123's default, the safety margin over the 7
+# that already pass BigCrush).  FLASHTILE_PHILOX_ROUNDS=7 is an experiment (kernels and CPU
+# path read the same value at import, so their masks still agree).
+PHILOX_ROUNDS = int(os.environ.get("FLASHTILE_PHILOX_ROUNDS", "10"))
 
 
 def keep_threshold(dropout_p: float) -> float:
@@ -79,7 +85,7 @@ def keep_mask(seed: int, offset: int, rows: torch.Tensor, cols: torch.Tensor, ro
     """Boolean keep-mask (probability ``1 - dropout_p``, to within 2^-17) at broadcast ``rows`` x ``cols``."""
     cols = cols.to(torch.int64)
     groups_per_row = -(-row_length // KEYS_PER_CALL)
-    words = philox4x32(seed, offset + rows.to(torch.int64) * groups_per_row + cols // KEYS_PER_CALL)
+    words = philox4x32(seed, offset + rows.to(torch.int64) * groups_per_row + cols // KEYS_PER_CALL, PHILOX_ROUNDS)
     lane = cols % KEYS_PER_CALL
     word = torch.where(lane < 4, torch.where(lane < 2, words[0], words[1]), torch.where(lane < 6, words[2], words[3]))
     u16 = (word >> (16 * (lane % 2))) & 0xFFFF

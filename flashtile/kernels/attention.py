@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashtile import dropout as _dropout
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 from flashtile.kernels.runtime import INTERPRET
 
@@ -40,6 +41,7 @@ LOG2E = 1.4426950408889634
 # Experimental, off until measured on a GPU: dQ by atomics from the dK/dV kernel (see _add_dq)
 # when the caller does not ask for a deterministic backward.  FLASHTILE_ATOMIC_DQ=1 turns it on.
 ATOMIC_DQ = os.environ.get("FLASHTILE_ATOMIC_DQ", "0") == "1"
+PHILOX_ROUNDS = tl.constexpr(_dropout.PHILOX_ROUNDS)  # the dropout mask's, shared with the CPU path
 
 
 
@@ -126,7 +128,7 @@ def _dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: t
     groups_per_row = (rng_cols + 7) // 8
     rows = (row0 + tl.arange(0, BLOCK_Q)).to(tl.int64)
     groups = col0 // 8 + tl.arange(0, BLOCK_K // 8)
-    r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + rows[:, None] * groups_per_row + groups[None, :])
+    r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + rows[:, None] * groups_per_row + groups[None, :], PHILOX_ROUNDS)
     # Flattening the joined axes (last axis fastest) puts key 8g + j at word j // 2, half j % 2.
     words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
     halves = tl.join(words & 0xFFFF, words >> 16)
