@@ -156,10 +156,16 @@ def flash_attn_with_kvcache(
         cache_seqlens = full if k is None else 0
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    batch_rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=q.device)
+    # Decoding steps last microseconds: on a GPU without new keys, launch nothing but the kernels.
+    needs_rows = k is not None or not q.is_cuda
+    batch_rows = None
+    if needs_rows:
+        batch_rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=q.device)
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table)
-    seqlens_k = (cache_seqlens + (k.shape[1] if k is not None else 0)).to(torch.int32)
+        seqlens_k = (cache_seqlens + k.shape[1]).to(torch.int32)
+    else:
+        seqlens_k = cache_seqlens.to(torch.int32)  # no copy when already int32
     if q.device.type == "cpu" and int(seqlens_k.max()) > full:
         raise ValueError(f"cache_seqlens (+ seqlen_new) exceeds the cache capacity ({full} positions)")
 
