@@ -264,6 +264,17 @@ class OtherCpuLoad:
         return False
 
 
+def compile_for_benchmark(fn):
+    """``torch.compile(fn, dynamic=False)`` with dynamo's recompile limit raised: a benchmark
+    compiles once per shape, and past the default limit dynamo silently falls back to eager."""
+    from torch import _dynamo
+
+    _dynamo.config.cache_size_limit = 1024
+    if hasattr(_dynamo.config, "recompile_limit"):
+        _dynamo.config.recompile_limit = 1024
+    return torch.compile(fn, dynamic=False)
+
+
 def save_results(records, out_dir, name: str, print_table, plot) -> None:
     """Append ``records`` to ``out_dir/name.jsonl``, print the table, draw ``out_dir/name.png``."""
     out_dir = Path(out_dir)

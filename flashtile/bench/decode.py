@@ -32,7 +32,7 @@ import torch
 
 from pathlib import Path
 
-from flashtile.bench.common import environment, write_jsonl
+from flashtile.bench.common import compile_for_benchmark, environment, write_jsonl
 
 BATCHES = (1, 8, 32, 128)
 CACHES = (1024, 8192, 32768, 131072)
@@ -95,13 +95,9 @@ def _make_fn(impl, q, k_cache, v_cache, generator):
             sdpa_expanded.expanded = True
             return sdpa_expanded
     if impl == "flex":
-        from torch import _dynamo
         from torch.nn.attention.flex_attention import flex_attention
 
-        _dynamo.config.cache_size_limit = 1024
-        if hasattr(_dynamo.config, "recompile_limit"):
-            _dynamo.config.recompile_limit = 1024
-        compiled = torch.compile(flex_attention, dynamic=False)
+        compiled = compile_for_benchmark(flex_attention)
         return lambda: compiled(qh, kh, vh, enable_gqa=True).transpose(1, 2)
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
 

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from flashtile.bench.common import environment, save_results
+from flashtile.bench.common import compile_for_benchmark, environment, save_results
 from flashtile.bench.gpu import _time
 
 NHEADS, HEADDIM = 16, 128
@@ -101,15 +101,11 @@ def _varlen_records(env, lengths, causal, modes, label):
 
 
 def _window_records(env, seqlen, left, modes):
-    from torch import _dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import flashtile
 
-    _dynamo.config.cache_size_limit = 1024
-    if hasattr(_dynamo.config, "recompile_limit"):
-        _dynamo.config.recompile_limit = 1024
-    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled = compile_for_benchmark(flex_attention)
     block_mask = create_block_mask(lambda b, h, i, j: (j <= i) & (i - j <= left), None, None, seqlen, seqlen, device="cuda")
 
     def ours(q, k, v):

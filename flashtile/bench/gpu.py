@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import environment, save_results
+from flashtile.bench.common import compile_for_benchmark, environment, save_results
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
@@ -61,12 +61,7 @@ def _impl_fn(impl: str, causal: bool, headdim: int):
     if impl == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        from torch import _dynamo
-
-        _dynamo.config.cache_size_limit = 1024
-        if hasattr(_dynamo.config, "recompile_limit"):
-            _dynamo.config.recompile_limit = 1024
-        compiled = torch.compile(flex_attention, dynamic=False)
+        compiled = compile_for_benchmark(flex_attention)
         masks = {}
 
         def flex(q, k, v):

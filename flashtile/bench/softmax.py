@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.bench.common import environment, save_results
+from flashtile.bench.common import compile_for_benchmark, environment, save_results
 
 COLS = (128, 512, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 TOTAL = 2**28
@@ -34,12 +34,7 @@ def _fwd_fn(impl):
     if impl == "torch":
         return lambda x: torch.softmax(x, dim=-1)
     if impl == "compiled":
-        from torch import _dynamo
-
-        _dynamo.config.cache_size_limit = 256
-        if hasattr(_dynamo.config, "recompile_limit"):
-            _dynamo.config.recompile_limit = 256
-        return torch.compile(lambda x: torch.softmax(x, dim=-1), dynamic=False)
+        return compile_for_benchmark(lambda x: torch.softmax(x, dim=-1))
     if impl == "naive":
         return _naive
     raise ValueError(f"unknown implementation {impl!r}")
