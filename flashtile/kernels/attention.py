@@ -114,9 +114,11 @@ def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
-def _dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, KEYS_FIRST: tl.constexpr = False):
     """The (BLOCK_Q queries x BLOCK_K keys) tile from (row0, col0) of ``flashtile.dropout.keep_mask``,
-    as 1 / (1 - p) where a probability is kept and 0 where it is dropped.
+    as 1 / (1 - p) where a probability is kept and 0 where it is dropped (1 without dropout;
+    transposed to keys x queries with ``KEYS_FIRST``).
 
     Counter-based (Philox): the same (seed, offset, row, key) gives the same decision in the
     forward and in both backward kernels, so the mask itself is never stored.  One Philox call
@@ -125,16 +127,23 @@ def _dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: t
     cost of the attention itself; per 8 scores they are a fraction of it.  Keeping a score
     when its 16-bit number u satisfies u + 1/2 > p * 2^16 (p in float32) realises p to within 2^-17.
     """
-    groups_per_row = (rng_cols + 7) // 8
-    rows = (row0 + tl.arange(0, BLOCK_Q)).to(tl.int64)
-    groups = col0 // 8 + tl.arange(0, BLOCK_K // 8)
-    r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + rows[:, None] * groups_per_row + groups[None, :], PHILOX_ROUNDS)
-    # Flattening the joined axes (last axis fastest) puts key 8g + j at word j // 2, half j % 2.
-    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
-    halves = tl.join(words & 0xFFFF, words >> 16)
-    u16 = tl.reshape(halves, [BLOCK_Q, BLOCK_K]).to(tl.float32)
-    # u16 >= round(p * 2^16), written so that both sides are exact in float32.
-    return tl.where(u16 + 0.5 > dropout_p * 65536.0, 1.0 / (1.0 - dropout_p), 0.0)
+    if HAS_DROPOUT:
+        groups_per_row = (rng_cols + 7) // 8
+        rows = (row0 + tl.arange(0, BLOCK_Q)).to(tl.int64)
+        groups = col0 // 8 + tl.arange(0, BLOCK_K // 8)
+        r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + rows[:, None] * groups_per_row + groups[None, :],
+                                      PHILOX_ROUNDS)
+        # Flattening the joined axes (last axis fastest) puts key 8g + j at word j // 2, half j % 2.
+        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+        halves = tl.join(words & 0xFFFF, words >> 16)
+        u16 = tl.reshape(halves, [BLOCK_Q, BLOCK_K]).to(tl.float32)
+        # u16 >= round(p * 2^16), written so that both sides are exact in float32.
+        drop = tl.where(u16 + 0.5 > dropout_p * 65536.0, 1.0 / (1.0 - dropout_p), 0.0)
+        if KEYS_FIRST:
+            drop = tl.trans(drop)
+    else:
+        drop = 1.0
+    return drop
 
 
 @triton.jit
@@ -212,7 +221,8 @@ def _fwd_tiles(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped entries too
         if HAS_DROPOUT:
-            p = p * _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N)
+            p = p * _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+                                   HAS_DROPOUT)
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -353,10 +363,8 @@ def _dkdv_tiles(
             p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                    qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                    MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            if HAS_DROPOUT:
-                drop = _dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N)
-            else:
-                drop = 1.0
+            drop = _dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+                                  HAS_DROPOUT)
             dv = tl.dot(tl.trans((p * drop).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
@@ -369,11 +377,8 @@ def _dkdv_tiles(
             pT, tanhT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
                                      qk_scale, window_left, window_right, softcap_scale, softcap_log2,
                                      slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            if HAS_DROPOUT:
-                dropT = tl.trans(_dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p,
-                                                BLOCK_M, BLOCK_N))
-            else:
-                dropT = 1.0
+            dropT = _dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+                                   HAS_DROPOUT, KEYS_FIRST=True)
             dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             dsT = _softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
@@ -481,10 +486,8 @@ def _dq_tiles(
         p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-        if HAS_DROPOUT:
-            drop = _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N)
-        else:
-            drop = 1.0
+        drop = _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+                              HAS_DROPOUT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
