@@ -293,6 +293,21 @@ def _floor_to(x: int, block: int) -> int:
     return max(x, 0) // block * block
 
 
+def _kv_streamed(shape, block_m, block_n, row_bytes, variant):
+    """(K + V bytes read, tile pairs visited) of a kernel that streams key tiles per query tile
+    (the forward, the dQ kernel): every query tile's loads from HBM without L2 reuse; with
+    ideal L2 each (batch, kv head) reads its widest key run once."""
+    key_rows = pairs = widest = 0
+    for _, visited, loaded in _key_tiles_per_query_tile(shape.seqlen_q, shape.seqlen_k, block_m, block_n,
+                                                        shape.causal):
+        key_rows += loaded
+        pairs += visited
+        widest = max(widest, loaded)
+    if variant == "no_l2":
+        return 2 * shape.batch * shape.nheads * key_rows * row_bytes, pairs
+    return 2 * shape.batch * shape.nheads_k * widest * row_bytes, pairs
+
+
 def _key_tiles_per_query_tile(seqlen_q, seqlen_k, block_m, block_n, causal):
     """Per query tile (forward, dQ): (query rows, key tiles visited, key rows loaded).
 
@@ -345,17 +360,8 @@ def flashtile_forward_io(shape: AttentionShape, variant: str = "no_l2", tiles: K
     t = _tiles_for(shape, tiles)
     bm, bn = t.fwd
     row = shape.headdim * shape.elem
-    key_rows = tile_pairs = 0
-    widest = 0
-    for _, visited, loaded in _key_tiles_per_query_tile(shape.seqlen_q, shape.seqlen_k, bm, bn, shape.causal):
-        key_rows += loaded
-        tile_pairs += visited
-        widest = max(widest, loaded)
+    kv_read, tile_pairs = _kv_streamed(shape, bm, bn, row, variant)
     heads = shape.batch * shape.nheads
-    if variant == "no_l2":
-        kv_read = 2 * heads * key_rows * row
-    else:
-        kv_read = 2 * shape.batch * shape.nheads_k * widest * row
     flops = heads * tile_pairs * 2 * (2 * bm * bn * t.head_dim_pad)  # S = Q Kᵀ and O += P V
     kernel = KernelIO(
         "_attn_fwd", shape.q_bytes() + kv_read, shape.q_bytes() + shape.rows_q() * _STAT_BYTES, flops,
@@ -410,16 +416,8 @@ def flashtile_backward_io(shape: AttentionShape, variant: str = "no_l2", tiles: 
 
     # dQ: per query tile, the key rows it streams.
     bm, bn = t.dq
-    key_rows = pairs = widest = 0
-    for _, visited, loaded in _key_tiles_per_query_tile(shape.seqlen_q, shape.seqlen_k, bm, bn, shape.causal):
-        key_rows += loaded
-        pairs += visited
-        widest = max(widest, loaded)
+    kv_read, pairs = _kv_streamed(shape, bm, bn, row, variant)
     heads = shape.batch * shape.nheads
-    if variant == "no_l2":
-        kv_read = 2 * heads * key_rows * row
-    else:
-        kv_read = 2 * shape.batch * shape.nheads_k * widest * row
     kernels.append(KernelIO(
         "_attn_bwd_dq", 2 * shape.q_bytes() + 2 * stats + kv_read, shape.q_bytes(),
         heads * pairs * 3 * (2 * bm * bn * t.head_dim_pad),

@@ -294,6 +294,14 @@ def _softmax_fwd_fused(
 
 
 @triton.jit
+def _chunk_of(pid, splits, chunk, n_cols):
+    """Split path: program ``pid`` handles columns [c0, c1) of ``row``."""
+    row = pid // splits
+    c0 = (pid % splits) * chunk
+    return row, c0, tl.minimum(c0 + chunk, n_cols)
+
+
+@triton.jit
 def _softmax_fwd_partials(
     X, MASK, M_PART, L_PART, n_cols, L1, L2, chunk,
     sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
@@ -303,10 +311,7 @@ def _softmax_fwd_partials(
 ):
     """Split path, kernel 1: the (max, sum) in log2 units of one chunk of one row."""
     TILE: tl.constexpr = BLOCK_N * UNROLL
-    pid = tl.program_id(0)
-    row = pid // splits
-    c0 = (pid % splits) * chunk
-    c1 = tl.minimum(c0 + chunk, n_cols)
+    row, c0, c1 = _chunk_of(tl.program_id(0), splits, chunk, n_cols)
     x_off = _row_offset(row, L1, L2, sx0, sx1, sx2)
     m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -318,8 +323,8 @@ def _softmax_fwd_partials(
     _, l_row = _lanes_to_row(m, l)
     # The true max, -inf for an empty chunk (not the 0 it was shifted by): a stored 0 would
     # become the row's shift when every logit is very negative, and 2^(m_c - 0) underflow.
-    tl.store(M_PART + pid, tl.max(m, axis=0))
-    tl.store(L_PART + pid, l_row)
+    tl.store(M_PART + tl.program_id(0), tl.max(m, axis=0))
+    tl.store(L_PART + tl.program_id(0), l_row)
 
 
 @triton.jit
@@ -344,10 +349,8 @@ def _softmax_fwd_write(
 ):
     """Split path, kernel 2: re-read a chunk (last chunks first, last tiles first) and write."""
     TILE: tl.constexpr = BLOCK_N * UNROLL
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse of kernel 1's order
-    row = pid // splits
-    c0 = (pid % splits) * chunk
-    c1 = tl.minimum(c0 + chunk, n_cols)
+    # Reverse of kernel 1's order: the chunks read last are re-read first, while still in L2.
+    row, c0, c1 = _chunk_of(tl.num_programs(0) - 1 - tl.program_id(0), splits, chunk, n_cols)
     shift, l = _merge_partials(M_PART, L_PART, row, splits, SPLITS)
     inv_l, log2_l = _normalizers(l)
     x_off = _row_offset(row, L1, L2, sx0, sx1, sx2)
@@ -448,16 +451,13 @@ def _softmax_bwd_partials(
     FIRST_READ: tl.constexpr,
 ):
     TILE: tl.constexpr = BLOCK_N * UNROLL
-    pid = tl.program_id(0)
-    row = pid // splits
-    c0 = (pid % splits) * chunk
-    c1 = tl.minimum(c0 + chunk, n_cols)
+    row, c0, c1 = _chunk_of(tl.program_id(0), splits, chunk, n_cols)
     row_off = tl.cast(row, tl.int64) * n_cols
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in tl.range(c0, c1, TILE, num_stages=STAGES):
         cols = _tile_cols(start, BLOCK_N, UNROLL)
         acc += tl.sum(_bwd_sum_terms(Y, G, row_off + cols, cols < c1, LOG, FIRST_READ), axis=0)
-    tl.store(S_PART + pid, tl.sum(acc, axis=0))
+    tl.store(S_PART + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -467,10 +467,8 @@ def _softmax_bwd_write(
     SPLITS: tl.constexpr, STAGES: tl.constexpr, LAST_READ: tl.constexpr, WRITE: tl.constexpr,
 ):
     TILE: tl.constexpr = BLOCK_N * UNROLL
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse of kernel 1's order
-    row = pid // splits
-    c0 = (pid % splits) * chunk
-    c1 = tl.minimum(c0 + chunk, n_cols)
+    # Reverse of kernel 1's order: the chunks read last are re-read first, while still in L2.
+    row, c0, c1 = _chunk_of(tl.num_programs(0) - 1 - tl.program_id(0), splits, chunk, n_cols)
     idx = tl.arange(0, SPLITS)
     s = tl.sum(tl.load(S_PART + row * splits + idx, mask=idx < splits, other=0.0), axis=0)
     row_off = tl.cast(row, tl.int64) * n_cols
