@@ -2,10 +2,11 @@
 
 Neither pass stores the ``seqlen_q x seqlen_k`` mask.  The forward draws the keep/drop
 decisions from Philox-4x32-10 and the backward draws the same numbers again.  One Philox call
-(counter ``offset + row * ceil(seqlen_k / 8) + col // 8``) gives four 32-bit words = eight
-16-bit numbers, one for each of 8 consecutive keys: key ``col`` uses word ``(col % 8) // 2``,
-low half when ``col`` is even; it is kept when that number ``u`` satisfies ``u + 1/2 > p * 2^16``
-(``u >= round(p * 2^16)``).
+gives four 32-bit words = eight 16-bit numbers, for 8 keys of one row: keys go in blocks of 32,
+and key ``col = 32 * blk + 8 * j + 2 * q + b`` takes half ``b`` (low when 0) of word ``j`` of the
+call with counter ``offset + row * 4 * ceil(seqlen_k / 32) + 4 * blk + q``.  (That order matches
+the sm_90 tensor-core accumulator layout, see ``flashtile/kernels/dropout.py``.)  A key is kept
+when its number ``u`` satisfies ``u + 1/2 > p * 2^16`` (``u >= round(p * 2^16)``, p in float32).
 ``row`` is the query's row in the LSE, ``(batch * nheads + head) * seqlen_q + i`` for dense
 inputs, ``head * total_q + token`` for packed ones (``seqlen_k`` is then the longest key
 sequence).  The Triton kernels use ``tl.randint4x``; :func:`philox4x32` is the same generator
@@ -67,30 +68,33 @@ def philox_uniform(seed: int, counters: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
-KEYS_PER_CALL = 8  # 16-bit numbers per Philox call (4 words x 2 halves)
+KEYS_PER_BLOCK = 32  # keys sharing one group of 4 Philox calls (8 keys per call)
 # Philox rounds of the dropout mask: 10 (Random123's default, the safety margin over the 7
 # that already pass BigCrush).  FLASHTILE_PHILOX_ROUNDS=7 is an experiment (kernels and CPU
 # path read the same value at import, so their masks still agree).
 PHILOX_ROUNDS = int(os.environ.get("FLASHTILE_PHILOX_ROUNDS", "10"))
 
 
-def keep_threshold(dropout_p: float) -> float:
-    """p * 2^16 with p rounded to float32, as the kernels see it (exact in float64)."""
+def counters_per_row(row_length: int) -> int:
+    """Philox counters one query row consumes: 4 per started block of 32 keys."""
+    return 4 * -(-row_length // KEYS_PER_BLOCK)
+
+
+def keep_threshold(dropout_p: float) -> int:
+    """The smallest kept 16-bit number: floor(p * 2^16 + 1/2) with p rounded to float32, as the kernels compute it."""
     import numpy as np
 
-    return float(np.float32(dropout_p)) * 65536.0
+    return int(np.floor(float(np.float32(dropout_p)) * 65536.0 + 0.5))
 
 
 def keep_mask(seed: int, offset: int, rows: torch.Tensor, cols: torch.Tensor, row_length: int, dropout_p: float):
     """Boolean keep-mask (probability ``1 - dropout_p``, to within 2^-17) at broadcast ``rows`` x ``cols``."""
     cols = cols.to(torch.int64)
-    groups_per_row = -(-row_length // KEYS_PER_CALL)
-    words = philox4x32(seed, offset + rows.to(torch.int64) * groups_per_row + cols // KEYS_PER_CALL, PHILOX_ROUNDS)
-    lane = cols % KEYS_PER_CALL
-    word = torch.where(lane < 4, torch.where(lane < 2, words[0], words[1]), torch.where(lane < 6, words[2], words[3]))
-    u16 = (word >> (16 * (lane % 2))) & 0xFFFF
-    # u + 1/2 > p * 2^16 is u >= round(p * 2^16), compared exactly as the kernels do.
-    return u16.to(torch.float64) + 0.5 > keep_threshold(dropout_p)
+    block, j, q, b = cols // KEYS_PER_BLOCK, (cols // 8) % 4, (cols // 2) % 4, cols % 2
+    words = philox4x32(seed, offset + rows.to(torch.int64) * counters_per_row(row_length) + 4 * block + q, PHILOX_ROUNDS)
+    word = torch.where(j < 2, torch.where(j == 0, words[0], words[1]), torch.where(j == 2, words[2], words[3]))
+    u16 = (word >> (16 * b)) & 0xFFFF
+    return u16 >= keep_threshold(dropout_p)
 
 
 _captures: list[list] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.dropout import KEYS_PER_CALL, next_seed_offset
+from flashtile.dropout import counters_per_row, next_seed_offset
 from flashtile.ops import attention as _ops
 from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens
 
@@ -66,7 +66,7 @@ def flash_attn_func(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     seed, offset = 0, 0
     if params.dropout_p > 0:
-        seed, offset = next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1] * -(-k.shape[1] // KEYS_PER_CALL))
+        seed, offset = next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1] * counters_per_row(k.shape[1]))
     out, lse = _ops.attention_forward(
         q, k, v, params.softmax_scale, params.window_left, params.window_right, params.softcap,
         alibi_slopes, params.dropout_p, seed, offset, params.deterministic,
@@ -125,7 +125,7 @@ def flash_attn_varlen_func(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     seed, offset = 0, 0
     if params.dropout_p > 0:
-        seed, offset = next_seed_offset(q.device, q.shape[1] * q.shape[0] * -(-max_seqlen_k // KEYS_PER_CALL))
+        seed, offset = next_seed_offset(q.device, q.shape[1] * q.shape[0] * counters_per_row(max_seqlen_k))
     out, lse = _ops.varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params.softmax_scale,
         params.window_left, params.window_right, params.softcap, alibi_slopes, params.dropout_p, seed, offset,

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashtile import dropout as _dropout
+from flashtile.kernels.dropout import dropout_scale
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 from flashtile.kernels.runtime import INTERPRET
 
@@ -41,7 +41,6 @@ LOG2E = 1.4426950408889634
 # Experimental, off until measured on a GPU: dQ by atomics from the dK/dV kernel (see _add_dq)
 # when the caller does not ask for a deterministic backward.  FLASHTILE_ATOMIC_DQ=1 turns it on.
 ATOMIC_DQ = os.environ.get("FLASHTILE_ATOMIC_DQ", "0") == "1"
-PHILOX_ROUNDS = tl.constexpr(_dropout.PHILOX_ROUNDS)  # the dropout mask's, shared with the CPU path
 
 
 
@@ -111,39 +110,6 @@ def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
     if HAS_ALIBI:
         return tl.load(ALIBI + b * stride_ab + h) * 1.4426950408889634
     return 0.0
-
-
-@triton.jit
-def _dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HAS_DROPOUT: tl.constexpr, KEYS_FIRST: tl.constexpr = False):
-    """The (BLOCK_Q queries x BLOCK_K keys) tile from (row0, col0) of ``flashtile.dropout.keep_mask``,
-    as 1 / (1 - p) where a probability is kept and 0 where it is dropped (1 without dropout;
-    transposed to keys x queries with ``KEYS_FIRST``).
-
-    Counter-based (Philox): the same (seed, offset, row, key) gives the same decision in the
-    forward and in both backward kernels, so the mask itself is never stored.  One Philox call
-    yields four 32-bit words; each is cut into two 16-bit numbers, so a call serves 8
-    consecutive keys (``col0`` is a multiple of 8).  Ten Philox rounds per score were ~4x the
-    cost of the attention itself; per 8 scores they are a fraction of it.  Keeping a score
-    when its 16-bit number u satisfies u + 1/2 > p * 2^16 (p in float32) realises p to within 2^-17.
-    """
-    if HAS_DROPOUT:
-        groups_per_row = (rng_cols + 7) // 8
-        rows = (row0 + tl.arange(0, BLOCK_Q)).to(tl.int64)
-        groups = col0 // 8 + tl.arange(0, BLOCK_K // 8)
-        r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + rows[:, None] * groups_per_row + groups[None, :],
-                                      PHILOX_ROUNDS)
-        # Flattening the joined axes (last axis fastest) puts key 8g + j at word j // 2, half j % 2.
-        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
-        halves = tl.join(words & 0xFFFF, words >> 16)
-        u16 = tl.reshape(halves, [BLOCK_Q, BLOCK_K]).to(tl.float32)
-        # u16 >= round(p * 2^16), written so that both sides are exact in float32.
-        drop = tl.where(u16 + 0.5 > dropout_p * 65536.0, 1.0 / (1.0 - dropout_p), 0.0)
-        if KEYS_FIRST:
-            drop = tl.trans(drop)
-    else:
-        drop = 1.0
-    return drop
 
 
 @triton.jit
@@ -221,7 +187,7 @@ def _fwd_tiles(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped entries too
         if HAS_DROPOUT:
-            p = p * _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+            p = p * dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                                    HAS_DROPOUT)
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         acc = acc * alpha[:, None]
@@ -363,7 +329,7 @@ def _dkdv_tiles(
             p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                    qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                    MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            drop = _dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+            drop = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                                   HAS_DROPOUT)
             dv = tl.dot(tl.trans((p * drop).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -377,7 +343,7 @@ def _dkdv_tiles(
             pT, tanhT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
                                      qk_scale, window_left, window_right, softcap_scale, softcap_log2,
                                      slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            dropT = _dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+            dropT = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                                    HAS_DROPOUT, KEYS_FIRST=True)
             dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -486,7 +452,7 @@ def _dq_tiles(
         p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-        drop = _dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+        drop = dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                               HAS_DROPOUT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
@@ -605,7 +571,7 @@ def _fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> _Config:
     failed to compile, so no config uses it.
     """
     if INTERPRET:
-        return _Config(16, 16, 4, 1)
+        return _Config(16, 32, 4, 1)  # dropout's key tiles are multiples of 32
     if head_dim_pad <= 128:
         return _Config(64, 64, 4, 3)
     return _Config(64, 32, 4, 3) if causal else _Config(128, 64, 8, 3)
@@ -620,7 +586,7 @@ def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_C
     the same configs were correct for causal masks and in the interpreter.
     """
     if INTERPRET:
-        return _Config(16, 16, 4, 1), _Config(16, 16, 4, 1)
+        return _Config(16, 32, 4, 1), _Config(16, 32, 4, 1)
     if head_dim_pad <= 32:
         return _Config(64, 128, 8, 2), _Config(64, 64, 4, 3)
     if head_dim_pad <= 64:
@@ -639,7 +605,7 @@ def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_C
 
 
 def _dropout_args(dropout: tuple | None) -> dict:
-    """``dropout = (p, seed, offset)`` or None -> kernel arguments (see ``_dropout_scale``)."""
+    """``dropout = (p, seed, offset)`` or None -> kernel arguments (see ``flashtile/kernels/dropout.py``)."""
     p, seed, offset = dropout if dropout is not None else (0.0, 0, 0)
     return dict(HAS_DROPOUT=p > 0, dropout_p=float(p), seed=int(seed), rng_offset=int(offset))
 
