@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import flashtile
 import flashtile.sdpa as sdpa_module
+from helpers import assert_close_to_reference
 from flashtile.masking import mask_array
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}
@@ -191,3 +192,39 @@ def test_validation():
     with pytest.raises(ValueError, match="multiple"):
         flashtile.scaled_dot_product_attention(q, k[:, :1].expand(1, 3, 4, 8), v[:, :1].expand(1, 3, 4, 8),
                                                enable_gqa=True)
+
+
+def _gpu_mask(kind, b, lq, lk, g):
+    if kind in ("none", "causal"):
+        return None
+    keep = torch.ones(b, lk, dtype=torch.bool)
+    keep[0, lk // 2:] = False  # a padded batch entry
+    if kind == "bool-key-padding":
+        return keep[:, None, None, :].cuda()
+    if kind == "additive-key-padding":
+        return torch.zeros(b, 1, 1, lk).masked_fill(~keep[:, None, None, :], float("-inf")).cuda()
+    return (torch.rand(b, 1, lq, lk, generator=g) > 0.3).cuda()  # "general": the slow path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["none", "causal", "bool-key-padding", "additive-key-padding", "general"])
+def test_gpu_bf16_within_twice_torchs_error(kind):
+    """On a GPU, in bf16: output and gradients within 2x PyTorch's own bf16 error (vs float64) + a floor."""
+    b, h, hk, lq, lk, d = 2, 8, 2, 300, 517, 64
+    g = torch.Generator().manual_seed(7)
+    q64, k64, v64 = (torch.randn(b, n, length, d, generator=g, dtype=torch.float64).cuda()
+                     for n, length in ((h, lq), (hk, lk), (hk, lk)))
+    mask = _gpu_mask(kind, b, lq, lk, g)
+    dout = torch.randn(b, h, lq, d, generator=g, dtype=torch.float64).cuda()
+    kwargs = dict(attn_mask=mask, is_causal=kind == "causal", enable_gqa=True)
+
+    def run(fn, dtype):
+        q, k, v = (t.to(dtype).requires_grad_(True) for t in (q64, k64, v64))
+        out = fn(q, k, v, **kwargs)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout.to(dtype)))
+
+    ref64 = run(F.scaled_dot_product_attention, torch.float64)
+    ref_bf16 = run(F.scaled_dot_product_attention, torch.bfloat16)
+    ours = run(flashtile.scaled_dot_product_attention, torch.bfloat16)
+    for name, a, r64, rlow in zip(("out", "dq", "dk", "dv"), ours, ref64, ref_bf16):
+        assert_close_to_reference(a, r64, rlow, name=f"{kind} {name}", atol_floor=1e-3)
