@@ -154,9 +154,12 @@ def flash_attn_with_kvcache(
     full = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if cache_seqlens is None:
         cache_seqlens = full if k is None else 0
-    if isinstance(cache_seqlens, int):
+    if isinstance(cache_seqlens, int) and not 0 <= cache_seqlens <= full:
+        raise ValueError(f"cache_seqlens ({cache_seqlens}) must be in [0, {full}] (the cache capacity)")
+    # Decoding steps last microseconds: on a GPU without new keys, launch nothing but the kernels
+    # (one int length for every sequence goes to the kernel as it is, no tensor is filled).
+    if isinstance(cache_seqlens, int) and (k is not None or not q.is_cuda):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    # Decoding steps last microseconds: on a GPU without new keys, launch nothing but the kernels.
     needs_rows = k is not None or not q.is_cuda
     batch_rows = None
     if needs_rows:
@@ -164,6 +167,8 @@ def flash_attn_with_kvcache(
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table)
         seqlens_k = (cache_seqlens + k.shape[1]).to(torch.int32)
+    elif isinstance(cache_seqlens, int):
+        seqlens_k = cache_seqlens
     else:
         seqlens_k = cache_seqlens.to(torch.int32)  # no copy when already int32
     if q.device.type == "cpu" and int(seqlens_k.max()) > full:

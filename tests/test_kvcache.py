@@ -123,6 +123,17 @@ def test_split_kernel_matches_reference_for_any_num_splits(page_size, seqlen_q, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_split_kernel_takes_one_int_length_for_every_sequence(page_size):
+    q, kc, vc, table = _case(2, 1, 4, 2, 32, 64, page_size, seed=12, device=DEVICE)
+    as_tensor = torch.full((2,), 41, dtype=torch.int32, device=DEVICE)
+    expected = kvcache._attend_triton(q, kc, vc, as_tensor, None, table, 32 ** -0.5, -1, 0, 0.0, None, 3)
+    out, lse = kvcache._attend_triton(q, kc, vc, 41, None, table, 32 ** -0.5, -1, 0, 0.0, None, 3)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    _check(out, lse, q, kc, vc, table, [41, 41], causal=True)
+
+
+@needs_kernels
 def test_split_kernel_softcap_alibi_window_and_batch_idx():
     q, kc, vc, _ = _case(2, 2, 4, 2, 40, 64, seed=7, device=DEVICE)
     slopes = (torch.rand(4, generator=_gen(8)) * 0.3).to(DEVICE)
@@ -175,6 +186,8 @@ def test_merge_validation():
         (dict(cache_seqlens=torch.tensor([1.0, 2.0])), ValueError, "cache_seqlens"),
         (dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError, "cache_seqlens"),
         (dict(cache_seqlens=torch.tensor([1, 99], dtype=torch.int32)), ValueError, "capacity"),
+        (dict(cache_seqlens=21), ValueError, "capacity"),
+        (dict(cache_seqlens=-1), ValueError, "capacity"),
         (dict(block_table=torch.zeros(2, 2)), ValueError, "block_table"),
         (dict(num_splits=-1), ValueError, "num_splits"),
         (dict(cache_batch_idx=[0, 1]), TypeError, "cache_batch_idx"),
@@ -199,3 +212,6 @@ def test_gpu_decode_matches_reference(page_size, dtype):
     out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, block_table=table,
                                                  causal=True, return_lse=True)
     _check(out, lse, q, kc, vc, table, [s + 1 for s in seqlens.tolist()], causal=True, atol=2e-2)
+    # One int length for every sequence: passed to the kernel as it is.
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3000, block_table=table, return_lse=True)
+    _check(out, lse, q, kc, vc, table, [3000] * 4, causal=False, atol=2e-2)

@@ -42,9 +42,9 @@ def _decode_split(
     Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI, stride_ab,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    seqlen_q, nheads_k, group, headdim, chunk, num_splits,
+    seqlen_q, nheads_k, group, headdim, chunk, num_splits, seqlen_k_all,
     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -52,7 +52,10 @@ def _decode_split(
     split = tl.program_id(1)
     b = pid // nheads_k
     hk = pid % nheads_k
-    seqlen_k = tl.load(SEQLENS_K + b)
+    if HAS_SEQLENS:
+        seqlen_k = tl.load(SEQLENS_K + b)
+    else:
+        seqlen_k = seqlen_k_all
     if HAS_BATCH_IDX:
         cache_b = tl.load(CACHE_BATCH_IDX + b)
     else:
@@ -173,6 +176,8 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
                     window_right, softcap, alibi_slopes, num_splits):
     """Launch the split kernel; returns (o_part fp32 (S, b, nq, h, d_pad), lse_part (S, b, h, nq)).
 
+    ``seqlens_k``: int32 ``(batch,)`` valid cache lengths, or one int for every sequence (no
+    tensor to fill: a decoding step is short enough that one launch fewer shows).
     The padded head dim stays in ``o_part``: :func:`combine_splits` drops it when writing."""
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
@@ -191,18 +196,19 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
     o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse_part)
-    placeholder = seqlens_k
+    has_seqlens = isinstance(seqlens_k, torch.Tensor)
+    placeholder = lse_part  # for pointer arguments the kernel does not read
     _decode_split[(batch * nheads_k, num_splits)](
-        q, k_cache, v_cache, o_part, lse_part, seqlens_k,
+        q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder, mods["alibi"], mods["stride_ab"],
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
-        seqlen_q, nheads_k, group, d, chunk, num_splits,
+        seqlen_q, nheads_k, group, d, chunk, num_splits, 0 if has_seqlens else seqlens_k,
         softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"], mods["softcap_log2"],
-        HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_SEQLENS=has_seqlens, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
