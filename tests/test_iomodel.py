@@ -267,8 +267,8 @@ def test_kernel_tiles_read_from_the_config_functions():
     before = attention.INTERPRET
     gpu = iomodel.kernel_tiles(64)
     assert attention.INTERPRET == before  # the module is not touched
-    assert min(gpu.fwd + gpu.dkdv + gpu.dq) >= 32  # the GPU table, not the interpreter's 16 x 16
-    assert iomodel.kernel_tiles(64, interpreter=True).fwd == (16, 16)
+    assert min(gpu.fwd + gpu.dkdv + gpu.dq) >= 32  # the GPU table, not the interpreter's 16 x 32
+    assert iomodel.kernel_tiles(64, interpreter=True).fwd == (16, 32)
     assert iomodel.kernel_tiles(100).head_dim_pad == 128
 
 
