@@ -39,7 +39,7 @@ def _desc(rows: int, hd: int, dtype: str) -> str:
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
                    kv_as_b: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
-                   dropout: bool = False, atomic_dq: bool = False):
+                   dropout: bool = False):
     masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
              "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN,
              "HAS_DROPOUT": dropout}
@@ -54,8 +54,8 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "DO_desc": _desc(bm, hd, dtype), "DK_desc": _desc(bn, hd, dtype), "DV_desc": _desc(bn, hd, dtype),
                "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32", "group": "i32", "softmax_scale": "fp32",
-               "max_seqlen_k": "i32", "DQ_ACC": "*fp32"}
-        consts = dict(masks, KV_AS_B=kv_as_b, ATOMIC_DQ=atomic_dq)
+               "max_seqlen_k": "i32"}
+        consts = dict(masks, KV_AS_B=kv_as_b)
     elif kind == "dq":
         fn = ka._attn_bwd_dq
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
@@ -97,7 +97,6 @@ def main():
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")
     ap.add_argument("--dropout", action="store_true")
-    ap.add_argument("--atomic-dq", action="store_true", help="dK/dV kernel that also accumulates dQ by atomics")
     args = ap.parse_args()
     global VARLEN
     VARLEN = args.varlen
@@ -105,10 +104,9 @@ def main():
                                                            args.softcap, args.alibi):
         bm, bn, w, s = map(int, tiles.split(","))
         k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al),
-                           dropout=args.dropout, atomic_dq=args.atomic_dq)
+                           dropout=args.dropout)
         print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb} "
-              f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)} "
-              f"atomic_dq={int(args.atomic_dq)}: {report(k)}", flush=True)
+              f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)}: {report(k)}", flush=True)
 
 
 if __name__ == "__main__":

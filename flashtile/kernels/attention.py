@@ -14,8 +14,8 @@ Backward, by recomputation from the LSE:
      over the query tiles (and over the query heads of its GQA group), recomputing
      P = exp2(Q K^T * scale*log2e - LSE*log2e); dV += P^T dO, dK += dS^T Q.
   3. ``_bwd_dq``: one program per (query tile, batch * head) loops over key tiles:
-     dQ += dS K.  No atomics anywhere, so the backward is bitwise deterministic (an
-     experimental switch, ``ATOMIC_DQ``, folds dQ into step 2 with atomics instead).
+     dQ += dS K.  No atomics anywhere, so the backward is bitwise deterministic.  (Folding
+     dQ into step 2 with atomics measured 25-45 % slower on an H200: benchmarks/NOTES.md.)
 
 Tensors keep flash-attn's layout ``(batch, seqlen, nheads, headdim)`` and any strides with
 a unit last stride: a 4-D tensor descriptor addresses tile ``[b, row0:row0+BLOCK, h, :]``
@@ -26,7 +26,6 @@ as zeros), so no copy is made.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -38,9 +37,6 @@ from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 from flashtile.kernels.runtime import INTERPRET
 
 LOG2E = 1.4426950408889634
-# Experimental, off until measured on a GPU: dQ by atomics from the dK/dV kernel (see _add_dq)
-# when the caller does not ask for a deterministic backward.  FLASHTILE_ATOMIC_DQ=1 turns it on.
-ATOMIC_DQ = os.environ.get("FLASHTILE_ATOMIC_DQ", "0") == "1"
 
 
 
@@ -302,11 +298,11 @@ def _bwd_preprocess(
 def _dkdv_tiles(
     dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, row_base, n0, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-    dropout_p, seed, rng_offset, rng_cols, DQ_ACC, dq_row_base, nheads,
+    dropout_p, seed, rng_offset, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
     """Accumulate one query run's contribution to dK, dV of the resident key tile.
 
@@ -335,9 +331,6 @@ def _dkdv_tiles(
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
-            if ATOMIC_DQ:
-                _add_dq(DQ_ACC, dq_row_base, offs_m, h, nheads, seqlen_q,
-                        tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION), HEAD_DIM)
         else:
             qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
             pT, tanhT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
@@ -349,22 +342,7 @@ def _dkdv_tiles(
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             dsT = _softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
             dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-            if ATOMIC_DQ:
-                _add_dq(DQ_ACC, dq_row_base, offs_m, h, nheads, seqlen_q,
-                        tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=DOT_PRECISION), HEAD_DIM)
     return dk, dv
-
-
-@triton.jit
-def _add_dq(DQ_ACC, dq_row_base, offs_m, h, nheads, seqlen_q, dq, HEAD_DIM: tl.constexpr):
-    """dQ += dS K for one query tile, into a float32 (rows, nheads, HEAD_DIM) buffer by atomics:
-    the dK/dV program already holds dS and K, so this saves the dQ kernel's recomputation of
-    QK^T, P and dP (7 matmuls per tile pair become 5) at the price of run-to-run rounding
-    differences -- hence only when the caller did not ask for ``deterministic``."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = (dq_row_base + offs_m).to(tl.int64)
-    ptrs = DQ_ACC + (rows[:, None] * nheads + h) * HEAD_DIM + offs_d[None, :]
-    tl.atomic_add(ptrs, dq, mask=(offs_m < seqlen_q)[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -372,11 +350,10 @@ def _attn_bwd_dkdv(
     Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, LSE2, Delta, ALIBI, stride_ab,
     CU_Q, CU_K, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale, window_left, window_right,
-    softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols, DQ_ACC,
+    softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
     pid_n, bhk = _tile_and_head(max_seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
@@ -406,29 +383,24 @@ def _attn_bwd_dkdv(
     for g in range(0, group):
         h = hk * group + g
         rows = batch.to(tl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / D rows
-        # dQ buffer rows: (batch, seqlen_q) flattened for dense inputs, packed rows otherwise.
-        dq_row_base = q_start if VARLEN else batch.to(tl.int64) * seqlen_q
         slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
         if MASK_RIGHT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, lo, full_lo,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
-                                 DQ_ACC, dq_row_base, nheads_k * group,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B, ATOMIC_DQ)
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_lo, full_hi,
                              seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                              softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
-                             DQ_ACC, dq_row_base, nheads_k * group,
                              BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B, ATOMIC_DQ)
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
         if MASK_LEFT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_hi, hi,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
-                                 DQ_ACC, dq_row_base, nheads_k * group,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B, ATOMIC_DQ)
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
     DV_desc.store([b, n0, hk, 0], dv.to(DV_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
     dk = dk * softmax_scale
     DK_desc.store([b, n0, hk, 0], dk.to(DK_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
@@ -699,7 +671,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
 
 
 def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-              softcap, alibi_slopes, dropout, atomic_dq=False):
+              softcap, alibi_slopes, dropout):
     d = q.shape[-1]
     hd = _padded_headdim(d)
     cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype, window_right >= 0)
@@ -730,21 +702,16 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     rng = (drop["dropout_p"], drop["seed"], drop["rng_offset"], layout.rng_cols)
     group = nheads // nheads_k
     tiles = layout.tiles
-    # Atomic dQ: float32 (rows, nheads, padded head dim) accumulator, rows as q_'s leading dims.
-    dq_acc = torch.zeros((*q_.shape[:-1], hd), dtype=torch.float32, device=q.device) if atomic_dq else lse
     _attn_bwd_dkdv[(triton.cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
         tiles(q_, cfg_kv.block_m, hd), tiles(k_, cfg_kv.block_n, hd), tiles(v_, cfg_kv.block_n, hd),
         tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd),
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
         layout.seqlen_q, layout.seqlen_k, layout.seqlen_k, nheads_k, group, q_.shape[-1],
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
-        mods["softcap_scale"], mods["softcap_log2"], *rng, dq_acc,
-        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, ATOMIC_DQ=atomic_dq, **common,
+        mods["softcap_scale"], mods["softcap_log2"], *rng,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
-    if atomic_dq:
-        dq = (dq_acc[..., :d] * softmax_scale).to(q.dtype)
-        return dq, _unpad(dk_, d), _unpad(dv_, d)
     _attn_bwd_dq[(triton.cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](
         tiles(q_, cfg_q.block_m, hd), tiles(k_, cfg_q.block_n, hd), tiles(v_, cfg_q.block_n, hd),
         tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd),
@@ -775,11 +742,10 @@ def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, c
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, window_right=-1,
                        deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None, dropout=None):
-    """Backward: preprocess, dK/dV and dQ kernels, bitwise deterministic.  With ``ATOMIC_DQ``
-    (experimental, off by default) and ``deterministic=False``, dQ is accumulated by the dK/dV
-    kernel with atomics instead, and the dQ kernel is skipped."""
+    """Backward: preprocess, dK/dV and dQ kernels, bitwise deterministic whatever
+    ``deterministic`` says (no atomics)."""
     return _backward(_Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
-                     configs, softcap, alibi_slopes, dropout, atomic_dq=ATOMIC_DQ and not deterministic)
+                     configs, softcap, alibi_slopes, dropout)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
@@ -801,7 +767,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     _ensure_allocator()
     layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-                     softcap, alibi_slopes, dropout, atomic_dq=ATOMIC_DQ and not deterministic)
+                     softcap, alibi_slopes, dropout)
 
 
 def _max_seqlens(cu_q, cu_k, max_q, max_k):

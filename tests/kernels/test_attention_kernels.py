@@ -75,53 +75,6 @@ def test_fwd_bwd_matches_reference_fp32(case):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_as_b", [False, True])
-@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[5], CASES[9]],
-                         ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}".format(*c[:6]))
-def test_atomic_dq_matches_reference(case, kv_as_b, monkeypatch):
-    """The experimental dQ-by-atomics backward (both dK/dV orientations, GQA, causal, windows,
-    empty rows) against the float64 oracle; ``deterministic=True`` keeps the dQ kernel."""
-    monkeypatch.setattr(ka, "ATOMIC_DQ", True)
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=torch.float32, device=DEVICE, seed=4)
-    scale = headdim ** -0.5
-    left, right = window[0], 0 if causal else window[1]
-    cfg_kv, cfg_q = ka._bwd_config(ka._padded_headdim(headdim), q.dtype, right >= 0)
-    cfg_kv = ka._Config(cfg_kv.block_m, cfg_kv.block_n, cfg_kv.num_warps, cfg_kv.num_stages, kv_as_b=kv_as_b)
-    out, lse = ka.attention_forward(q, k, v, scale, left, right)
-    dout = random_like(out, seed=5)
-    grads = ka.attention_backward(dout, q, k, v, out, lse, scale, left, right, configs=(cfg_kv, cfg_q))
-    exact = ka.attention_backward(dout, q, k, v, out, lse, scale, left, right, configs=(cfg_kv, cfg_q),
-                                  deterministic=True)
-    kw = dict(softmax_scale=scale, causal=causal, window_size=window)
-    ref = reference_attention_grads(q, k, v, dout, upcast=True, **kw)
-    low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
-    for name, got, r64, rlow in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
-        assert got.shape == r64.shape and got.dtype == q.dtype
-        assert_close_to_reference(got, r64, rlow, name, atol_floor=1e-4)
-    # dK, dV come from the same kernel either way; only dQ's summation order may differ.
-    assert torch.equal(grads[1], exact[1]) and torch.equal(grads[2], exact[2])
-
-
-@needs_kernels
-@pytest.mark.parametrize("causal", [False, True])
-def test_atomic_dq_packed_batch_matches_dq_kernel(causal, monkeypatch):
-    """Packed rows (an empty sequence, Nq != Nk): atomic dQ equals the dQ kernel's to rounding."""
-    gen = torch.Generator().manual_seed(0)
-    cu_q = torch.tensor([0, 20, 20, 53], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, 25, 30, 61], dtype=torch.int32, device=DEVICE)
-    q, k, v = (torch.randn(n, h, 32, generator=gen).to(DEVICE) for n, h in ((53, 4), (61, 2), (61, 2)))
-    right = 0 if causal else -1
-    out, lse = ka.varlen_attention_forward(q, k, v, cu_q, cu_k, 0.2, -1, right)
-    dout = torch.randn(out.shape, generator=gen).to(DEVICE)
-    want = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.2, -1, right)
-    monkeypatch.setattr(ka, "ATOMIC_DQ", True)
-    got = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.2, -1, right)
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-
-
-@needs_kernels
 @pytest.mark.parametrize("case", CASES[1:7:2], ids=lambda c: "q{}-k{}-d{}".format(c[1], c[2], c[5]))
 def test_fwd_bwd_matches_reference_fp16(case):
     _run_and_check(*case, dtype=torch.float16)
