@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
-#   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax features decode fp8 ring io
+#   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax features decode tune_decode fp8 ring io
+# RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -21,14 +22,15 @@ run() {  # run NAME LIMIT_S COMMAND...
 }
 for part in $parts; do
   case $part in
-    tests) run gpu_tests 300 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
+    tests) run gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
     attention) run attention 420 python3 -m flashtile.bench.gpu --out "$RES" ;;
     softmax) run softmax 120 python3 -m flashtile.bench.softmax --out "$RES" ;;
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
+    tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --out "$RES/tune_decode.jsonl" ;;
     fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"
          run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
-    ring) run ring 90 python3 -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/bench_ring.py \
+    ring) run ring 90 python3 -m torch.distributed.run --standalone --nproc_per_node=${RING_GPUS:-1} benchmarks/bench_ring.py \
             --seqlens 32k 64k 128k --out "$RES" ;;
     io) run iomodel 120 python3 benchmarks/measure_io.py --out "$RES" ;;
     *) echo "unknown part $part" ;;

@@ -148,6 +148,24 @@ def test_split_kernel_softcap_alibi_window_and_batch_idx():
         torch.testing.assert_close(lse[b:b + 1].double(), ref_l, atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("batch,capacity,want", [(1, 32768, 32), (8, 32768, 8), (128, 8192, 1), (1, 2048, 2)])
+def test_num_splits_fill_one_wave_with_long_enough_chunks(batch, capacity, want, monkeypatch):
+    from flashtile.kernels import decode as kd
+
+    monkeypatch.setattr(kd, "sm_count", lambda index: 132)  # an H200
+    assert kd.choose_num_splits(batch, 4, capacity, torch.device("cuda", 0), 128) == want
+
+
+def test_decode_tuning_environment_overrides_the_knobs(monkeypatch):
+    from flashtile.kernels import decode as kd
+
+    monkeypatch.setenv(kd.TUNING_ENV, "block_n=64, warps=4")
+    assert kd.knobs() == dict(kd.knobs(), block_n=64, warps=4) and kd.knobs()["stages"] == kd.STAGES
+    monkeypatch.setenv(kd.TUNING_ENV, "blocks=64")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_TUNING"):
+        kd.knobs()
+
+
 def test_merge_is_exact_and_associative():
     q, kc, vc, _ = _case(1, 5, 2, 2, 16, 60, seed=9)
     full_o, full_l = reference_attention(q, kc, vc)

@@ -17,13 +17,39 @@ address is computed on its own.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from flashtile.kernels.attention import LOG2E, _dot_precision, _padded_headdim, _score_mod_args, _score_mod
 from flashtile.kernels.masking import band_mask
-from flashtile.kernels.runtime import INTERPRET, sm_count
+from flashtile.kernels.runtime import INTERPRET, parse_tuning, sm_count
+
+# --- Launch knobs (H200 measurements in benchmarks/NOTES.md, session 3) -------------------
+# Key tiles: 128 for a contiguous cache (batch 1, 32k: 2.9 TB/s against 2.7 with 64); a paged
+# cache computes an address per key row and keeps 64; head dims above 128 take 32.
+BLOCK_N = 128
+BLOCK_N_PAGED = 64
+# 8 warps: within 2 % of 4 at batch 1 (cache 32k), and ptxas spills less with 8 (sm_90, offline).
+WARPS = 8
+STAGES = 3
+# Splits: at most PROGRAMS_PER_SM programs per SM in one wave, each split keeping at least
+# MIN_TILES_PER_SPLIT key tiles (see choose_num_splits).
+PROGRAMS_PER_SM = 2
+MIN_TILES_PER_SPLIT = 8
+TUNING_ENV = "FLASHTILE_DECODE_TUNING"
+KNOBS = {"block_n": "BLOCK_N", "block_n_paged": "BLOCK_N_PAGED", "warps": "WARPS", "stages": "STAGES",
+         "programs_per_sm": "PROGRAMS_PER_SM", "min_tiles_per_split": "MIN_TILES_PER_SPLIT"}
+
+
+def knobs() -> dict:
+    """The knobs in force: the module constants, overridden by ``FLASHTILE_DECODE_TUNING``
+    (``"block_n=64,warps=4"``; benchmarks/tune_decode.py sweeps them on a GPU)."""
+    current = {name: globals()[const] for name, const in KNOBS.items()}
+    current.update(parse_tuning(TUNING_ENV, os.environ.get(TUNING_ENV, ""), tuple(KNOBS)))
+    return current
 
 
 
@@ -160,16 +186,18 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, headdim: int, o
     return out, lse
 
 
-def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.device, block_n: int) -> int:
-    """At most two programs per SM in one wave, each split keeping at least 8 key tiles.
+def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.device, block_n: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM, min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
+    """At most ``programs_per_sm`` programs per SM in one wave, each split keeping at least
+    ``min_tiles`` key tiles.
 
     Measured on an H200 (cache 32k, GQA 32:4, d = 128, CUDA graph): a partial second wave
     costs more than it gains (batch 8: 9 splits 3.5-3.8 TB/s, 8 splits 4.1-4.2), and chunks
     of 4 tiles lose to chunks of 8 (batch 1: 64 splits 2.5 TB/s, 32 splits 2.9).
     """
     sms = 1 if device.type != "cuda" else sm_count(device.index or 0)
-    fill = 2 * sms // max(1, batch * nheads_k)
-    return max(1, min(fill, 64, capacity // (8 * block_n)))
+    fill = programs_per_sm * sms // max(1, batch * nheads_k)
+    return max(1, min(fill, 64, capacity // (min_tiles * block_n)))
 
 
 def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
@@ -184,14 +212,14 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
     group = nheads // nheads_k
     hd = _padded_headdim(d)
     block_m = max(16, triton.next_power_of_2(group * seqlen_q))
-    # 128-key tiles for a contiguous cache (batch 1, 32k: 2.9 TB/s against 2.7 with 64); a
-    # paged cache computes an address per key row and keeps 64.
-    block_n = 16 if INTERPRET else (32 if hd > 128 else 64 if block_table is not None else 128)
     paged = block_table is not None
+    knob = knobs()
+    block_n = 16 if INTERPRET else (32 if hd > 128 else knob["block_n_paged"] if paged else knob["block_n"])
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     if num_splits <= 0:
-        num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n)
+        num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n, knob["programs_per_sm"],
+                                       knob["min_tiles_per_split"])
     chunk = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
     o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -213,7 +241,6 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
-        # 8 warps: within 2 % of 4 at batch 1 (H200, cache 32k), and ptxas spills less with 8 (sm_90, offline).
-        num_warps=4 if INTERPRET else 8, num_stages=1 if INTERPRET else 3,
+        num_warps=4 if INTERPRET else knob["warps"], num_stages=1 if INTERPRET else knob["stages"],
     )
     return o_part, lse_part

@@ -16,3 +16,20 @@ def sm_count(device_index: int) -> int:
     if INTERPRET:
         return 1
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=32)
+def parse_tuning(env_name: str, text: str, names: tuple[str, ...], float_names: tuple[str, ...] = ()) -> dict:
+    """``"name=value,..."`` (the value of the environment variable ``env_name``) -> overrides.
+
+    Each kernel family keeps its launch knobs as module constants and lets one environment
+    variable override them, so a tuning sweep on a GPU needs no code edits.
+    """
+    overrides = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in names:
+            raise ValueError(f"{env_name}: expected name=value with name in {sorted(names)}, got {item!r}")
+        overrides[name] = float(value) if name in float_names else int(value)
+    return overrides

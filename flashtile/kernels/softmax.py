@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.runtime import INTERPRET, sm_count
+from flashtile.kernels.runtime import INTERPRET, parse_tuning, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -129,25 +129,13 @@ KNOBS = {
     "evict": "EVICTION_HINTS",
     "stages": "LOOP_STAGES",
 }
-_FLOAT_KNOBS = {"fused_min_rows_per_sm", "l2_budget_mb", "min_programs_per_sm", "programs_per_sm"}
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_tuning(text: str) -> dict:
-    overrides = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or name not in KNOBS:
-            raise ValueError(f"{TUNING_ENV}: expected name=value with name in {sorted(KNOBS)}, got {item!r}")
-        overrides[name] = float(value) if name in _FLOAT_KNOBS else int(value)
-    return overrides
+_FLOAT_KNOBS = ("fused_min_rows_per_sm", "l2_budget_mb", "min_programs_per_sm", "programs_per_sm")
 
 
 def knobs() -> dict:
     """The knobs in force: the module constants, overridden by ``FLASHTILE_SOFTMAX_TUNING``."""
     current = {name: globals()[const] for name, const in KNOBS.items()}
-    current.update(_parse_tuning(os.environ.get(TUNING_ENV, "")))
+    current.update(parse_tuning(TUNING_ENV, os.environ.get(TUNING_ENV, ""), tuple(KNOBS), tuple(_FLOAT_KNOBS)))
     return current
 
 
