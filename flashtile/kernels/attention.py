@@ -26,7 +26,6 @@ as zeros), so no copy is made.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -184,7 +183,7 @@ def _fwd_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped entries too
         if HAS_DROPOUT:
             p = p * dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                                   HAS_DROPOUT)
+                                  HAS_DROPOUT)
         v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -326,7 +325,7 @@ def _dkdv_tiles(
                                    qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                    MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
             drop = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                                  HAS_DROPOUT)
+                                 HAS_DROPOUT)
             dv = tl.dot(tl.trans((p * drop).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
@@ -337,7 +336,7 @@ def _dkdv_tiles(
                                      qk_scale, window_left, window_right, softcap_scale, softcap_log2,
                                      slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
             dropT = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                                   HAS_DROPOUT, KEYS_FIRST=True)
+                                  HAS_DROPOUT, KEYS_FIRST=True)
             dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             dsT = _softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
@@ -425,7 +424,7 @@ def _dq_tiles(
                                qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
         drop = dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                              HAS_DROPOUT)
+                             HAS_DROPOUT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
