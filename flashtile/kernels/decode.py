@@ -7,7 +7,9 @@ cut into ``num_splits`` chunks of whole key tiles; each program handles one chun
 one tile, so each K/V tile is read once for the group), and writes a partial output and
 LSE.  A second, small kernel merges the partials with the online-softmax rule (the same rule
 as ``flashtile.merging``): one launch instead of the dozen elementwise torch ops the merge
-would take, which matters when the whole decode step lasts a few microseconds.
+would take, which matters when the whole decode step lasts a few microseconds.  On Hopper
+the merge is a programmatic dependent launch: it is launched while the split kernel still
+runs and waits (``griddepcontrol.wait``) just before it reads the partials.
 
 The cache is contiguous ``(batch_cache, seqlen_cache, nheads_k, d)`` (rows of sequence b at
 ``cache_batch_idx[b]``) or paged ``(num_blocks, page_size, nheads_k, d)`` with
@@ -22,10 +24,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels.attention import LOG2E, _dot_precision, _padded_headdim, _score_mod_args, _score_mod
 from flashtile.kernels.masking import band_mask
-from flashtile.kernels.runtime import INTERPRET, parse_tuning, sm_count
+from flashtile.kernels.runtime import INTERPRET, has_programmatic_launch, parse_tuning, sm_count
 
 # --- Launch knobs (H200 measurements in benchmarks/NOTES.md, session 3) -------------------
 # Key tiles: 128 for a contiguous cache (batch 1, 32k: 2.9 TB/s against 2.7 with 64); a paged
@@ -73,7 +76,11 @@ def _decode_split(
     HAS_SEQLENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # The combine kernel may be launched now; it waits for this grid's results itself.
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // nheads_k
@@ -145,9 +152,14 @@ def _decode_split(
 def _combine_splits(
     O_PART, LSE_PART, OUT, LSE, num_splits, batch, seqlen_q, nheads, headdim,
     stride_ob, stride_on, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (batch, query row, head): out = sum_s w_s * o_s with w_s = exp(lse_s - lse)."""
+    """One program per (batch, query row, head): out = sum_s w_s * o_s with w_s = exp(lse_s - lse).
+
+    With ``PDL`` the launch overlaps the split kernel's tail, and the program waits for that
+    kernel's partials before reading them."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     h = pid % nheads
     i = (pid // nheads) % seqlen_q
@@ -176,12 +188,14 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, headdim: int, o
     """Merge ``o_part (S, b, nq, h, d_pad)`` fp32 and ``lse_part (S, b, h, nq)`` into
     ``(out (b, nq, h, headdim) in out_dtype, lse fp32 (b, h, nq))`` in one launch."""
     num_splits, batch, seqlen_q, nheads, hd = o_part.shape
+    pdl = o_part.is_cuda and has_programmatic_launch(o_part.device.index or 0)
     out = torch.empty((batch, seqlen_q, nheads, headdim), dtype=out_dtype, device=o_part.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=o_part.device)
     _combine_splits[(batch * seqlen_q * nheads,)](
         o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, headdim,
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=hd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1 if INTERPRET else 4,
+        HEAD_DIM=hd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
+        num_warps=1 if INTERPRET else 4,
     )
     return out, lse
 
@@ -240,7 +254,7 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), PDL=q.is_cuda and has_programmatic_launch(q.device.index or 0),
         num_warps=4 if INTERPRET else knob["warps"], num_stages=1 if INTERPRET else knob["stages"],
     )
     return o_part, lse_part

@@ -18,6 +18,16 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def has_programmatic_launch(device_index: int) -> bool:
+    """Programmatic dependent launch (Hopper and later): a kernel may start while the one
+    before it drains, and waits (``griddepcontrol.wait``) only where it reads that kernel's
+    results.  Never in the interpreter, which runs no PTX."""
+    if INTERPRET:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 @functools.lru_cache(maxsize=32)
 def parse_tuning(env_name: str, text: str, names: tuple[str, ...], float_names: tuple[str, ...] = ()) -> dict:
     """``"name=value,..."`` (the value of the environment variable ``env_name``) -> overrides.
