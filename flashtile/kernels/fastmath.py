@@ -3,8 +3,8 @@
 Every score costs one exp2.  On sm_90 the MUFU unit that evaluates it issues 16 per clock
 per SM, an eighth of the FP32 FMA rate, so where the tensor cores finish a tile quickly
 (head dim 64, or FP8 operands at twice the bf16 rate) the exponentials rather than the
-matrix products bound the forward loop.  A polynomial on the FMA pipe costs about eight
-FMA/ALU instructions per exp2: evaluating every other column that way moves half of the
+matrix products bound the forward loop.  A polynomial costs about nine FP32 and integer
+instructions per exp2 (six on the FMA pipe): evaluating every other column that way moves half of the
 work off MUFU.  Experimental (``FLASHTILE_EXP2_SPLIT=1``) until measured on a GPU.
 """
 
@@ -31,7 +31,7 @@ ROUND_MAGIC = tl.constexpr(12582912.0)
 @triton.jit
 def exp2_fma(x):
     """2^x on the FMA and integer pipes only: x = n + f with n = round(x) by the magic-number
-    addition (no float-to-int conversion: those share MUFU's quarter rate), a polynomial for
+    addition (no float-to-int conversion instruction: those are low-throughput too), a polynomial for
     2^f, and n added to the result's exponent bits.  Exactly 0 below 2^-125 (where 2^f < 1
     would push the exponent field to 0), so -inf gives 0 as masked scores need; the select
     also discards what the bit arithmetic made of such inputs."""
