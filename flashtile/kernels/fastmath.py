@@ -4,8 +4,8 @@ Every score costs one exp2.  On sm_90 the MUFU unit that evaluates it issues 16 
 per SM, an eighth of the FP32 FMA rate, so where the tensor cores finish a tile quickly
 (head dim 64, or FP8 operands at twice the bf16 rate) the exponentials rather than the
 matrix products bound the forward loop.  A polynomial costs about nine FP32 and integer
-instructions per exp2 (six on the FMA pipe): evaluating every other column that way moves half of the
-work off MUFU.  Experimental (``FLASHTILE_EXP2_SPLIT=1``) until measured on a GPU.
+instructions per exp2 (six on the FMA pipe): evaluating every other column that way moves
+half of the work off MUFU.  Experimental (``FLASHTILE_EXP2_SPLIT=1``) until measured on a GPU.
 """
 
 import os
