@@ -47,7 +47,7 @@ try:
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import flashtile
-from flashtile.bench.common import environment, save_results
+from flashtile.bench.common import environment, save_figure, save_results, subplots
 from flashtile.distributed import ring_flash_attn_func, zigzag_shard
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -279,12 +279,7 @@ def print_table(records):
 
 
 def plot(records, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = subplots(1, 2, figsize=(12, 4.5))
     keys = sorted({(r["impl"], r["mode"], r["causal"]) for r in records})
     for impl, mode, causal in keys:
         rs = sorted((r for r in records if (r["impl"], r["mode"], r["causal"]) == (impl, mode, causal)),
@@ -303,9 +298,7 @@ def plot(records, path):
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     print(f"plot: {path}")
 
 

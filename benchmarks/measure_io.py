@@ -363,20 +363,20 @@ def print_table(records: list[dict]) -> None:
 
 
 def plot(records: list[dict], path: Path) -> bool:
+    from flashtile.bench.common import save_figure, subplots
+
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         print("[measure_io] matplotlib is not installed: no plot", file=sys.stderr)
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     modes = [m for m in ("fwd", "bwd", "fwd_bwd") if any(r["mode"] == m for r in records)]
     dims = sorted({r["headdim"] for r in records})
     if not modes or not dims:
         return False
     colors = {"flashtile": "tab:blue", "naive": "tab:red"}
-    fig, axes = plt.subplots(len(modes), len(dims), figsize=(4.6 * len(dims), 3.6 * len(modes)), squeeze=False)
+    fig, axes = subplots(len(modes), len(dims), figsize=(4.6 * len(dims), 3.6 * len(modes)), squeeze=False)
     for i, mode in enumerate(modes):
         for j, d in enumerate(dims):
             ax = axes[i][j]
@@ -406,10 +406,8 @@ def plot(records: list[dict], path: Path) -> bool:
     r0 = records[0]
     fig.suptitle(f"Attention HBM traffic, {r0['dtype']}, batch {r0['batch']}, {r0['nheads']} heads "
                  f"({r0.get('device', '')})", fontsize=10)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -275,6 +275,27 @@ def compile_for_benchmark(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def subplots(*args, **kwargs):
+    """``matplotlib.pyplot.subplots`` on the Agg backend (files only, no display needed).
+
+    Raises ImportError without matplotlib, which the benchmarks treat as "no plot"."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig, path, dpi: int = 110) -> None:
+    """Lay out, write and close a figure made by :func:`subplots`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def save_results(records, out_dir, name: str, print_table, plot) -> None:
     """Append ``records`` to ``out_dir/name.jsonl``, print the table, draw ``out_dir/name.png``."""
     out_dir = Path(out_dir)

@@ -32,7 +32,7 @@ import torch
 
 from pathlib import Path
 
-from flashtile.bench.common import compile_for_benchmark, environment, write_jsonl
+from flashtile.bench.common import compile_for_benchmark, environment, save_figure, subplots, write_jsonl
 
 BATCHES = (1, 8, 32, 128)
 CACHES = (1024, 8192, 32768, 131072)
@@ -182,14 +182,9 @@ def print_table(records):
 
 
 def plot(records, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     copy = next(r["gbps"] for r in records if r["impl"] == "copy")
     batches = sorted({r["batch"] for r in records if r["impl"] != "copy"})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+    fig, axes = subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for impl in dict.fromkeys(r["impl"] for r in records if r["impl"] != "copy"):
             pts = sorted((r["seqlen_k"], r["gbps_best"]) for r in records
@@ -204,9 +199,7 @@ def plot(records, path):
         ax.set_ylabel("GB/s (best of eager / graph)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from flashtile.bench.common import compile_for_benchmark, environment, save_results
+from flashtile.bench.common import compile_for_benchmark, environment, save_figure, save_results, subplots
 from flashtile.bench.gpu import _time
 
 NHEADS, HEADDIM = 16, 128
@@ -186,14 +186,9 @@ def print_table(records):
 
 
 def plot(records, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in records if r.get("tflops")]
     groups = list(dict.fromkeys((r["bench"], r["mode"], r["causal"], r.get("lengths", "")) for r in rows))
-    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.5))
+    fig, ax = subplots(figsize=(10, 0.32 * len(rows) + 1.5))
     labels, vals = [], []
     for g in groups:
         for r in rows:
@@ -207,9 +202,7 @@ def plot(records, path):
     ax.set_xlabel("TFLOP/s (useful work)")
     ax.set_title(f"Training features, bf16, d={HEADDIM}, {NHEADS} heads ({rows[0]['device'] if rows else ''})", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import compile_for_benchmark, environment, save_results
+from flashtile.bench.common import compile_for_benchmark, environment, save_figure, save_results, subplots
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
@@ -220,16 +220,11 @@ def print_table(records) -> None:
 
 
 def plot(records, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in records if r["bench"] == "attention" and r.get("tflops")]
     panels = sorted({(r["mode"], r["headdim"], r["causal"]) for r in rows})
     modes = sorted({p[0] for p in panels}, reverse=True)
     cols = sorted({(p[1], p[2]) for p in panels})
-    fig, axes = plt.subplots(len(modes), len(cols), figsize=(3.6 * len(cols), 3.2 * len(modes)), squeeze=False)
+    fig, axes = subplots(len(modes), len(cols), figsize=(3.6 * len(cols), 3.2 * len(modes)), squeeze=False)
     for i, mode in enumerate(modes):
         for j, (d, c) in enumerate(cols):
             ax = axes[i][j]
@@ -245,21 +240,14 @@ def plot(records, path) -> None:
     axes[0][0].legend(fontsize=7)
     dev = rows[0]["device"] if rows else ""
     fig.suptitle(f"Attention, bf16, batch*seqlen=16k, nheads*headdim=2048 ({dev})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_memory(records, path) -> None:
     """Peak extra bytes of one forward + backward against N, log-log, one line per peer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in records if r["bench"] == "attention_memory" and r.get("peak_extra_bytes")]
     causals = sorted({r["causal"] for r in rows})
-    fig, axes = plt.subplots(1, len(causals), figsize=(4.5 * len(causals), 3.6), squeeze=False)
+    fig, axes = subplots(1, len(causals), figsize=(4.5 * len(causals), 3.6), squeeze=False)
     for ax, causal in zip(axes[0], causals):
         for impl in dict.fromkeys(r["impl"] for r in rows):
             pts = sorted((r["seqlen_q"], r["peak_extra_bytes"]) for r in rows if (r["impl"], r["causal"]) == (impl, causal))
@@ -273,9 +261,7 @@ def plot_memory(records, path) -> None:
         ax.set_ylabel("MiB beyond q, k, v, dout")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _cli():

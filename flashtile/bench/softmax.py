@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.bench.common import compile_for_benchmark, environment, save_results
+from flashtile.bench.common import compile_for_benchmark, environment, save_figure, save_results, subplots
 
 COLS = (128, 512, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 TOTAL = 2**28
@@ -98,13 +98,8 @@ def print_table(records):
 
 
 def plot(records, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     dtypes = list(dict.fromkeys(r["dtype"] for r in records))
-    fig, axes = plt.subplots(2, len(dtypes), figsize=(5 * len(dtypes), 7), squeeze=False)
+    fig, axes = subplots(2, len(dtypes), figsize=(5 * len(dtypes), 7), squeeze=False)
     for j, dtype in enumerate(dtypes):
         copy = next(r["gbps"] for r in records if r["impl"] == "copy" and r["dtype"] == dtype)
         for i, mode in enumerate(("fwd", "bwd")):
@@ -121,9 +116,7 @@ def plot(records, path):
             ax.set_ylabel("GB/s")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
