@@ -110,6 +110,20 @@ def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
+def _online_max(qk, m_i, scale, MASKED: tl.constexpr):
+    """Running row max after one tile, ``max(m_i, rowmax(qk) * scale)`` (log2 units), and the
+    value the tile's exp2 arguments subtract.
+
+    Only a masked tile can leave a row with no visible key so far (m = -inf): it subtracts 0
+    instead, so exp2(-inf - -inf) = NaN never appears and its probabilities stay exactly 0.
+    """
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * scale)
+    if MASKED:
+        return m_ij, tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    return m_ij, m_ij
+
+
+@triton.jit
 def _recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                  softcap_scale, softcap_log2, slope_log2,
                  MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
@@ -170,13 +184,7 @@ def _fwd_tiles(
             visible = band_mask(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
                                 MASK_LEFT, MASK_RIGHT)
             qk = tl.where(visible, qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
-            # A row that has seen no visible key yet keeps m = -inf: subtract 0 instead so
-            # exp2(-inf - -inf) = NaN never appears and its p stays exactly 0.
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * s_scale)
-            m_sub = m_ij
+        m_ij, m_sub = _online_max(qk, m_i, s_scale, MASKED)
         # exp(s*scale - m) == exp2(s*scale*log2e - m*log2e): with qk_scale = scale*log2e
         # and m kept in log2 units, the scale and the max subtraction are one FMA per score
         # feeding the hardware's native exp2.

@@ -39,6 +39,7 @@ from flashtile.kernels.attention import (
     LOG2E,
     _Config,
     _descriptor,
+    _online_max,
     _tile_and_head,
     _tma_ready,
 )
@@ -117,13 +118,7 @@ def _fp8_fwd_tiles(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             visible = band_mask(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, -1, 0, False, CAUSAL)
             qk = tl.where(visible, qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            # A row with no visible key so far keeps m = -inf: shift by 0 so that
-            # exp2(-inf - -inf) = NaN never appears and its P stays exactly 0.
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_sub = m_ij
+        m_ij, m_sub = _online_max(qk, m_i, qk_scale, MASKED)
         # One FMA per score: descales, softmax scale and log2(e) live in qk_scale, and the
         # offset in the subtrahend, so P = 2^OFFSET * exp(s - m) costs nothing extra.
         p = exp2_tile(qk * qk_scale - (m_sub - OFFSET)[:, None], BLOCK_M, BLOCK_N, EXP2_SPLIT)

@@ -26,7 +26,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.attention import LOG2E, _dot_precision, _padded_headdim, _score_mod_args, _score_mod
+from flashtile.kernels.attention import (
+    LOG2E,
+    _dot_precision,
+    _online_max,
+    _padded_headdim,
+    _score_mod,
+    _score_mod_args,
+)
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.runtime import INTERPRET, has_programmatic_launch, parse_tuning, sm_count
 
@@ -128,8 +135,7 @@ def _decode_split(
         visible = band_mask(i[:, None], keys[None, :], seqlen_q, seqlen_k, window_left, window_right,
                             MASK_LEFT, MASK_RIGHT)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new, m_sub = _online_max(s, m_i, 1.0, True)  # every tile may hold masked keys
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
