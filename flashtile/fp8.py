@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from flashtile.ops.validation import MAX_HEADDIM
+from flashtile.ops.validation import MAX_HEADDIM, check_float32_tensor
 
 __all__ = ["E4M3_MAX", "flash_attn_fp8_func", "quantize_fp8", "transpose_v"]
 
@@ -89,17 +89,7 @@ def _check_descale(name: str, descale, batch: int, nheads_k: int, device) -> tor
     """None -> ones(1); otherwise fp32 ``(1,)`` or ``(batch, nheads_k)`` on the inputs' device."""
     if descale is None:
         return torch.ones(1, dtype=torch.float32, device=device)
-    if not isinstance(descale, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(descale).__name__}")
-    if descale.dtype != torch.float32:
-        raise ValueError(f"{name} must be torch.float32, got {descale.dtype}")
-    if descale.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {descale.device}")
-    if tuple(descale.shape) not in ((1,), (batch, nheads_k)):
-        raise ValueError(
-            f"{name} must have shape (1,) (per tensor) or (batch, nheads_k) = {(batch, nheads_k)}, "
-            f"got {tuple(descale.shape)}"
-        )
+    check_float32_tensor(name, descale, device, {(1,): "(per tensor)", (batch, nheads_k): "(batch, nheads_k)"})
     # The kernels take the row max of raw scores times the scale, which is the max of the
     # scaled scores only for a positive scale.  Checked where it costs no device sync.
     if descale.device.type == "cpu" and not bool(((descale > 0) & torch.isfinite(descale)).all()):

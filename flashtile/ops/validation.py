@@ -74,19 +74,24 @@ def check_window(window_size) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def check_float32_tensor(name: str, t, device, shapes: dict[tuple, str]) -> None:
+    """A small float32 side tensor (ALiBi slopes, FP8 descales): a tensor, float32, on the
+    inputs' device, with one of ``shapes`` (each with the words that explain it)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} must be torch.float32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    if tuple(t.shape) not in shapes:
+        accepted = " or ".join(f"{s} {words}".rstrip() for s, words in shapes.items())
+        raise ValueError(f"{name} must have shape {accepted}, got {tuple(t.shape)}")
+
+
 def check_alibi_slopes(alibi_slopes, batch, nheads, device) -> None:
     """ALiBi slopes: float32 ``(nheads,)`` or ``(batch, nheads)`` on the inputs' device."""
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-    if alibi_slopes.dtype != torch.float32:
-        raise ValueError(f"alibi_slopes must be torch.float32, got {alibi_slopes.dtype}")
-    if alibi_slopes.device != device:
-        raise ValueError(f"alibi_slopes must be on q's device ({device}), got {alibi_slopes.device}")
-    shapes = [(nheads,)] + ([(batch, nheads)] if batch is not None else [])
-    if tuple(alibi_slopes.shape) not in shapes:
-        raise ValueError(
-            f"alibi_slopes must have shape {' or '.join(str(s) for s in shapes)}, got {tuple(alibi_slopes.shape)}"
-        )
+    shapes = {(nheads,): ""} | ({(batch, nheads): ""} if batch is not None else {})
+    check_float32_tensor("alibi_slopes", alibi_slopes, device, shapes)
 
 
 def check_attention_inputs(
