@@ -27,14 +27,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32",
           "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32",
-          "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32", "headdim": "i32",
+          "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32",
           "dropout_p": "fp32", "seed": "i64", "rng_offset": "i64", "rng_cols": "i32"}
 VARLEN = False
 
 
 def _desc(rows: int, hd: int, dtype: str) -> str:
-    # Packed batches pass raw pointers and build descriptors in the kernel.
-    return f"*{dtype}" if VARLEN else f"tensordesc<{dtype}[1, {rows}, 1, {hd}]>"
+    # Dense and packed batches alike: a host descriptor (packed: over (1, total, heads, d)).
+    return f"tensordesc<{dtype}[1, {rows}, 1, {hd}]>"
 
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
@@ -46,20 +46,20 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
     if kind == "fwd":
         fn = ka._attn_fwd
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
-               "O_desc": _desc(bm, hd, dtype), "LSE": "*fp32", **COMMON, "nheads": "i32", "group": "i32",
-               "max_seqlen_q": "i32"}
+               "O_desc": _desc(bm, hd, dtype), "O": f"*{dtype}", "LSE": "*fp32", **COMMON, "nheads": "i32",
+               "group": "i32", "max_seqlen_q": "i32"}
         consts = dict(masks, WARP_SPECIALIZE=False, EXP2_SPLIT=exp2_split)
     elif kind == "dkdv":
         fn = ka._attn_bwd_dkdv
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "DO_desc": _desc(bm, hd, dtype), "DK_desc": _desc(bn, hd, dtype), "DV_desc": _desc(bn, hd, dtype),
-               "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32", "group": "i32", "softmax_scale": "fp32",
-               "max_seqlen_k": "i32"}
+               "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32",
+               "group": "i32", "softmax_scale": "fp32", "max_seqlen_k": "i32"}
         consts = dict(masks, KV_AS_B=kv_as_b)
     elif kind == "dq":
         fn = ka._attn_bwd_dq
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
-               "DO_desc": _desc(bm, hd, dtype), "DQ_desc": _desc(bm, hd, dtype),
+               "DO_desc": _desc(bm, hd, dtype), "DQ_desc": _desc(bm, hd, dtype), "DQ": f"*{dtype}",
                "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads": "i32", "group": "i32", "softmax_scale": "fp32",
                "max_seqlen_q": "i32"}
         consts = masks
@@ -67,7 +67,10 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
         raise ValueError(f"kind must be fwd, dkdv or dq, got {kind!r}")
     # The signature must list every parameter, in any order, constexprs included.
     sig.update({name: "constexpr" for name in consts})
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    # As at launch: pointers to fresh allocations are 16-byte aligned.
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "DK", "DV", "DQ")
+             if name in sig}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
 
 

@@ -1,10 +1,18 @@
-"""Packed variable-length attention (CPU path) and the padding helpers."""
+"""Packed variable-length attention (CPU path, and the kernels' sequence isolation) and the padding helpers."""
+
+import os
 
 import pytest
 import torch
 
 import flashtile
 from helpers import assert_close_to_reference, random_like, reference_attention_grads
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(
+    not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
 
 
 def _padded_batch(lengths_q, lengths_k, nheads=4, nheads_k=2, headdim=16, dtype=torch.float32, seed=0):
@@ -113,6 +121,85 @@ def test_opcheck_varlen_ops():
     cu_k = torch.tensor([0, 6, 8, 11], dtype=torch.int32)
     args = (q, k, v, cu_q, cu_k, 5, 6, 0.25, -1, 0, 0.0, None, 0.0, 0, 0, False)
     torch.library.opcheck(torch.ops.flashtile.varlen_attention_forward, args)
+
+
+class _NanEmpty:
+    """``torch`` for the kernels' launchers, except that ``torch.empty`` floats start as NaN,
+    so an output row that no program should write stays visibly unwritten."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "causal,window,softcap,alibi,dropout,kv_as_b",
+    [(False, (-1, -1), 0.0, False, 0.0, False),
+     (False, (-1, -1), 0.0, False, 0.0, True),
+     (True, (-1, -1), 2.0, True, 0.0, False),
+     (False, (3, 2), 0.0, False, 0.2, True)],
+    ids=["full", "full-kv_as_b", "causal-softcap-alibi", "window-dropout-kv_as_b"],
+)
+def test_varlen_kernels_keep_sequences_apart(causal, window, softcap, alibi, dropout, kv_as_b, monkeypatch):
+    """The packed kernels read tiles across sequence boundaries; only masks keep sequences apart.
+
+    V and dO of neighbouring sequences differ 1000x in magnitude, so one key, query or
+    gradient row leaking across a boundary breaks that sequence's comparison with the
+    per-sequence CPU path.  Rows after the last sequence (x1000, in no sequence) must be
+    read as nothing and never written: the launchers' output buffers start as NaN there.
+    """
+    from flashtile import cpu
+    from flashtile.kernels import attention as ka
+
+    lens_q, lens_k = [5, 19, 0, 1, 12, 3], [7, 33, 3, 2, 9, 4]
+    scales = [1.0, 1000.0, 1.0, 1000.0, 1.0, 1000.0]
+    tail = 6  # trailing rows of q and k/v that belong to no sequence
+    gen = torch.Generator().manual_seed(3)
+    nq, nk = sum(lens_q) + tail, sum(lens_k) + tail
+    q, k, v, dout = (torch.randn(n, h, 24, generator=gen) for n, h in ((nq, 2), (nk, 1), (nk, 1), (nq, 2)))
+    row_scale_q = torch.cat([torch.full((n,), s) for n, s in zip(lens_q + [tail], scales + [1000.0])])
+    row_scale_k = torch.cat([torch.full((n,), s) for n, s in zip(lens_k + [tail], scales + [1000.0])])
+    v, dout = v * row_scale_k[:, None, None], dout * row_scale_q[:, None, None]
+    # K and V as views of one (nk, 2, heads, d) tensor: packed inputs need not be contiguous.
+    k, v = torch.stack([k, v], dim=1).to(DEVICE).unbind(1)
+    q, dout = q.to(DEVICE), dout.to(DEVICE)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    slopes = (torch.rand(len(lens_q), 2, generator=gen) * 0.3).to(DEVICE) if alibi else None
+    left, right = window[0], 0 if causal else window[1]
+    kw = dict(softcap=softcap, alibi_slopes=slopes, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+              dropout=(dropout, 11, 0) if dropout else None)
+    cfg_kv, cfg_q = ka._bwd_config(ka._padded_headdim(24), q.dtype, right >= 0)
+    cfg_kv = ka._Config(cfg_kv.block_m, cfg_kv.block_n, cfg_kv.num_warps, cfg_kv.num_stages, kv_as_b=kv_as_b)
+
+    monkeypatch.setattr(ka, "torch", _NanEmpty())
+    out, lse = ka.varlen_attention_forward(q, k, v, cu_q, cu_k, 0.3, left, right, **kw)
+    grads = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.3, left, right,
+                                         configs=(cfg_kv, cfg_q), **kw)
+
+    # The CPU path runs each sequence on its own slice: nothing crosses a boundary there.
+    q64, k64, v64, do64 = (t.cpu().double() for t in (q, k, v, dout))
+    kw["alibi_slopes"] = slopes.cpu() if alibi else None
+    ref_out, ref_lse = cpu.varlen_attention_forward(q64, k64, v64, cu_q.cpu(), cu_k.cpu(), 0.3, left, right, **kw)
+    ref = cpu.varlen_attention_backward(do64, q64, k64, v64, ref_out, ref_lse, cu_q.cpu(), cu_k.cpu(), 0.3, left,
+                                        right, **kw)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b, s in enumerate(scales):  # every row of every sequence, each at its own magnitude
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        checks = (("out", out[sq], ref_out[sq], s), ("lse", lse[:, sq], ref_lse[:, sq], 1.0),
+                  ("dq", grads[0][sq], ref[0][sq], s * s), ("dk", grads[1][sk], ref[1][sk], s * s),
+                  ("dv", grads[2][sk], ref[2][sk], s))
+        for name, got, want, mag in checks:
+            torch.testing.assert_close(got.cpu().double(), want, atol=2e-5 * mag, rtol=1e-4, msg=f"{name}[{b}]")
+    for name, rest in (("out", out[tq:]), ("lse", lse[:, tq:]), ("dq", grads[0][tq:]), ("dk", grads[1][tk:]),
+                       ("dv", grads[2][tk:])):
+        assert rest.isnan().all(), f"{name}: rows after the last sequence were written"
 
 
 @pytest.mark.gpu

@@ -18,10 +18,19 @@ Backward, by recomputation from the LSE:
      dQ into step 2 with atomics measured 25-45 % slower on an H200: benchmarks/NOTES.md.)
 
 Tensors keep flash-attn's layout ``(batch, seqlen, nheads, headdim)`` and any strides with
-a unit last stride: a 4-D tensor descriptor addresses tile ``[b, row0:row0+BLOCK, h, :]``
-directly, rows past the sequence read as zeros and are never written.  Head dims that are
-not a power of two are padded to one *inside* the descriptor (out-of-range columns read
-as zeros), so no copy is made.
+a unit last stride: a 4-D tensor descriptor, built once on the host, addresses tile
+``[b, row0:row0+BLOCK, h, :]`` directly, rows past the sequence read as zeros and are never
+written.  Head dims that are not a power of two are padded to one *inside* the descriptor
+(out-of-range columns read as zeros), so no copy is made.
+
+Packed (varlen) batches ``(total, nheads, headdim)`` use the same host descriptors over the
+whole tensor viewed as ``(1, total, nheads, headdim)``, tiles at row ``q_start + m0`` /
+``k_start + n0`` (building one per sequence inside the kernel costs a descriptor write and a
+fence per program).  Rows past a sequence's end then read the *next* sequence, not zeros, so
+masks carry correctness there: keys at or past ``seqlen_k`` are masked out of every softmax
+(``key_tiles`` never leaves the boundary tile unmasked), query rows past ``seqlen_q`` get
+LSE = +inf in the backward (P exactly 0, given finite inputs), and every store of a packed
+tile is a pointer store masked to its sequence's rows (``_store_tile``).
 """
 
 from __future__ import annotations
@@ -69,16 +78,26 @@ def _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _packed_desc(base, start, seqlen, nheads, headdim, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """TMA descriptor over one sequence of a contiguous packed ``(total, nheads, headdim)`` tensor.
+def _store_tile(desc, ptr, b, row, h, tile, row_end, VARLEN: tl.constexpr):
+    """Store a ``(BLOCK, HEAD_DIM)`` tile at the descriptor's ``[b, row, h, 0]``.
 
-    Viewed as ``(1, seqlen, nheads, headdim)``, its tiles use the dense kernels' coordinates
-    ``[0, row, head, 0]``, and rows past *this sequence* read as zeros and are never written
-    -- the neighbouring sequences are out of bounds, exactly as the end of a dense tensor is.
+    A packed descriptor spans every sequence, so its bounds would not stop a tile that runs
+    past its own sequence from overwriting the next one: packed tiles are stored through
+    ``ptr`` (the descriptor's tensor), rows below ``row_end`` only, with the descriptor's strides.
     """
-    row = nheads * headdim
-    return tl.make_tensor_descriptor(base + start.to(tl.int64) * row, shape=[1, tl.maximum(seqlen, 1), nheads, headdim],
-                                     strides=[row, row, headdim, 1], block_shape=[1, BLOCK, 1, HEAD_DIM])
+    if VARLEN:
+        # TMA already required 16-byte strides and rows; rebuilding them as multiples of
+        # 16 bytes (exact divisions) lets the compiler see it and store 16 bytes at a time.
+        VEC: tl.constexpr = 128 // desc.dtype.primitive_bitwidth
+        row_stride = (desc.strides[1] // VEC) * VEC
+        head_stride = (desc.strides[2] // VEC) * VEC
+        cols = (desc.shape[3] // VEC) * VEC
+        offs_r = tl.arange(0, tile.shape[0])
+        offs_d = tl.arange(0, tile.shape[1])
+        ptrs = ptr + row.to(tl.int64) * row_stride + h * head_stride + offs_r[:, None] * row_stride + offs_d[None, :]
+        tl.store(ptrs, tile.to(desc.dtype), mask=(offs_r < row_end - row)[:, None] & (offs_d < cols)[None, :])
+    else:
+        desc.store([b, row, h, 0], tile.to(desc.dtype).reshape([1, tile.shape[0], 1, tile.shape[1]]))
 
 
 @triton.jit
@@ -161,7 +180,7 @@ def _softcap_grad(ds, tanh, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, start, end,
+    acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
     dropout_p, seed, rng_offset, rng_row, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -171,7 +190,7 @@ def _fwd_tiles(
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = K_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        k = K_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if HAS_SOFTCAP or HAS_ALIBI:
@@ -194,7 +213,7 @@ def _fwd_tiles(
         if HAS_DROPOUT:
             p = p * dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                                   HAS_DROPOUT)
-        v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        v = V_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
@@ -203,8 +222,8 @@ def _fwd_tiles(
 
 @triton.jit
 def _attn_fwd(
-    Q_desc, K_desc, V_desc, O_desc, LSE, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
+    Q_desc, K_desc, V_desc, O_desc, O, LSE, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, qk_scale, window_left, window_right,
     softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -221,14 +240,11 @@ def _attn_fwd(
     if VARLEN:
         if m0 >= seqlen_q:  # the grid covers the longest sequence
             return
-        Q_desc = _packed_desc(Q_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
-        K_desc = _packed_desc(K_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
-        V_desc = _packed_desc(V_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
-        O_desc = _packed_desc(O_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
         b = 0  # from here on b is only the descriptors' first coordinate
 
     lse_row = (bh // nheads).to(tl.int64) * stride_lb + h * stride_lh + q_start  # also the dropout RNG's row
-    q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    # Packed: rows past seqlen_q are the next sequence's queries; computed, never stored.
+    q = Q_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -236,19 +252,19 @@ def _attn_fwd(
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, lo, full_lo,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, lo, full_lo,
                                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                    softcap_scale, softcap_log2, slope_log2,
                                    dropout_p, seed, rng_offset, lse_row, rng_cols,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION, EXP2_SPLIT)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, full_lo, full_hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION, EXP2_SPLIT)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_hi, hi,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, full_hi, hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
@@ -262,8 +278,7 @@ def _attn_fwd(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < seqlen_q)
-    out = (acc * inv_l[:, None]).to(O_desc.dtype)
-    O_desc.store([b, m0, h, 0], out.reshape([1, BLOCK_M, 1, HEAD_DIM]))
+    _store_tile(O_desc, O, b, q_start + m0, h, acc * inv_l[:, None], q_start + seqlen_q, VARLEN)
 
 
 # --------------------------------------------------------------------------------------
@@ -306,7 +321,7 @@ def _bwd_preprocess(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, row_base, n0, start, end,
+    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, row_base, n0, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
     dropout_p, seed, rng_offset, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -325,11 +340,12 @@ def _dkdv_tiles(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
-        # Rows past seqlen_q read LSE2 = +inf (P = 0) and D = 0.
+        q = Q_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+        # Rows past seqlen_q (zeros, or the next packed sequence's finite rows) read
+        # LSE2 = +inf and D = 0: their P and dS are exactly 0, so they add nothing.
         lse2 = tl.load(LSE2 + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
-        do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+        do = DO_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         if KV_AS_B:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
@@ -357,9 +373,9 @@ def _dkdv_tiles(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, LSE2, Delta, ALIBI, stride_ab,
+    Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, DK, DV, LSE2, Delta, ALIBI, stride_ab,
     CU_Q, CU_K, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale, window_left, window_right,
+    seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, qk_scale, softmax_scale, window_left, window_right,
     softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -374,16 +390,9 @@ def _attn_bwd_dkdv(
     if VARLEN:
         if n0 >= seqlen_k:
             return
-        nheads = nheads_k * group
-        Q_desc = _packed_desc(Q_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
-        DO_desc = _packed_desc(DO_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
-        K_desc = _packed_desc(K_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
-        V_desc = _packed_desc(V_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
-        DK_desc = _packed_desc(DK_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
-        DV_desc = _packed_desc(DV_desc, k_start, seqlen_k, nheads_k, headdim, BLOCK_N, HEAD_DIM)
         b = 0  # from here on b is only the descriptors' first coordinate
-    k = K_desc.load([b, n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
-    v = V_desc.load([b, n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+    k = K_desc.load([b, k_start + n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+    v = V_desc.load([b, k_start + n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_tiles(n0, seqlen_q, seqlen_k, window_left, window_right,
@@ -395,30 +404,30 @@ def _attn_bwd_dkdv(
         rows = batch.to(tl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / D rows
         slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
         if MASK_RIGHT:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, lo, full_lo,
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, lo, full_lo,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_lo, full_hi,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_lo, full_hi,
                              seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                              softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                              BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
         if MASK_LEFT:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, rows, n0, full_hi, hi,
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_hi, hi,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
-    DV_desc.store([b, n0, hk, 0], dv.to(DV_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+    _store_tile(DV_desc, DV, b, k_start + n0, hk, dv, k_start + seqlen_k, VARLEN)
     dk = dk * softmax_scale
-    DK_desc.store([b, n0, hk, 0], dk.to(DK_desc.dtype).reshape([1, BLOCK_N, 1, HEAD_DIM]))
+    _store_tile(DK_desc, DK, b, k_start + n0, hk, dk, k_start + seqlen_k, VARLEN)
 
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, start, end,
+    dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
     dropout_p, seed, rng_offset, rng_row, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -427,8 +436,8 @@ def _dq_tiles(
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in range(start, end, BLOCK_N):
-        k = K_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
-        v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        k = K_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        v = V_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
@@ -444,8 +453,8 @@ def _dq_tiles(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, LSE2, Delta, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, softmax_scale, window_left, window_right,
+    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, DQ, LSE2, Delta, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, qk_scale, softmax_scale, window_left, window_right,
     softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -464,37 +473,32 @@ def _attn_bwd_dq(
     if VARLEN:
         if m0 >= seqlen_q:
             return
-        Q_desc = _packed_desc(Q_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
-        DO_desc = _packed_desc(DO_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
-        DQ_desc = _packed_desc(DQ_desc, q_start, seqlen_q, nheads, headdim, BLOCK_M, HEAD_DIM)
-        K_desc = _packed_desc(K_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
-        V_desc = _packed_desc(V_desc, k_start, seqlen_k, nheads // group, headdim, BLOCK_N, HEAD_DIM)
         b = 0  # from here on b is only the descriptors' first coordinate
-    q = Q_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
-    do = DO_desc.load([b, m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    q = Q_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    do = DO_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
     lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(Delta + row, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
-        dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, lo, full_lo,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, lo, full_lo,
                        seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                        softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
                        BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, full_lo, full_hi,
                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                    softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
                    BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, full_hi, hi,
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, full_hi, hi,
                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                    softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dq = dq * softmax_scale
-    DQ_desc.store([b, m0, h, 0], dq.to(DQ_desc.dtype).reshape([1, BLOCK_M, 1, HEAD_DIM]))
+    _store_tile(DQ_desc, DQ, b, q_start + m0, h, dq, q_start + seqlen_q, VARLEN)
 
 
 # --------------------------------------------------------------------------------------
@@ -612,8 +616,9 @@ def _score_mod_args(softmax_scale: float, softcap: float, alibi_slopes, placehol
 class _Layout:
     """Dense ``(batch, seqlen, heads, d)`` or packed ``(total, heads, d)`` inputs, as the kernels see them.
 
-    Dense tiles are addressed through host TMA descriptors; packed ones through descriptors
-    the kernels build per sequence (``_packed_desc``) from the raw tensor and cu_seqlens.
+    Both are addressed through host TMA descriptors: a packed tensor is viewed as one batch
+    entry ``(1, total, heads, d)`` and the kernels offset rows by cu_seqlens (see the module
+    docstring for what keeps sequences apart).
     """
 
     def __init__(self, q, k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
@@ -635,12 +640,15 @@ class _Layout:
             self.rng_cols = self.seqlen_k
 
     def prepare(self, t):
-        # Packed descriptors assume a contiguous (total, heads, d) tensor.
-        t = _tma_ready(t)
-        return t.contiguous() if self.varlen else t
+        return _tma_ready(t)
 
     def tiles(self, t, rows, hd):
-        return t if self.varlen else _descriptor(t, rows, hd)
+        if not self.varlen:
+            return _descriptor(t, rows, hd)
+        if t.shape[0] == 0:
+            # A descriptor needs a non-empty shape; with no rows no program reads or writes one.
+            t = t.new_zeros((1, *t.shape[1:]))
+        return _descriptor(t.unsqueeze(0), rows, hd)
 
     def seq_args(self, placeholder):
         cu_q = self.cu_q if self.varlen else placeholder
@@ -665,9 +673,9 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
     drop = _dropout_args(dropout)
     _attn_fwd[grid](
         layout.tiles(q_, cfg.block_m, hd), layout.tiles(k_, cfg.block_n, hd), layout.tiles(v_, cfg.block_n, hd),
-        layout.tiles(out_, cfg.block_m, hd), lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
+        layout.tiles(out_, cfg.block_m, hd), out_, lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
         layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
-        q_.shape[-1], softmax_scale * LOG2E, window_left, window_right,
+        softmax_scale * LOG2E, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], drop["dropout_p"], drop["seed"], drop["rng_offset"],
         layout.rng_cols,
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -715,9 +723,9 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     tiles = layout.tiles
     _attn_bwd_dkdv[(triton.cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
         tiles(q_, cfg_kv.block_m, hd), tiles(k_, cfg_kv.block_n, hd), tiles(v_, cfg_kv.block_n, hd),
-        tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd),
+        tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd), dk_, dv_,
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
-        layout.seqlen_q, layout.seqlen_k, layout.seqlen_k, nheads_k, group, q_.shape[-1],
+        layout.seqlen_q, layout.seqlen_k, layout.seqlen_k, nheads_k, group,
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], *rng,
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
@@ -725,21 +733,15 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     )
     _attn_bwd_dq[(triton.cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](
         tiles(q_, cfg_q.block_m, hd), tiles(k_, cfg_q.block_n, hd), tiles(v_, cfg_q.block_n, hd),
-        tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd),
+        tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd), dq_,
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
-        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, nheads, group, q_.shape[-1],
+        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, nheads, group,
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], *rng,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
         num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
     return _unpad(dq_, d), _unpad(dk_, d), _unpad(dv_, d)
-
-
-def _ensure_allocator():
-    # Packed batches build TMA descriptors inside the kernels; Triton needs a scratch allocator.
-    if not INTERPRET:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, config=None, softcap=0.0,
@@ -766,7 +768,6 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
 
     One launch for the whole batch; ``max_seqlen_*`` size the grid (computed with a host sync
     when not given)."""
-    _ensure_allocator()
     layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
                     dropout)
@@ -775,7 +776,6 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
                               window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, max_seqlen_q=None,
                               max_seqlen_k=None, configs=None, dropout=None, deterministic=False):
-    _ensure_allocator()
     layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
                      softcap, alibi_slopes, dropout)

@@ -44,8 +44,9 @@ def key_tiles(
 ):
     """Key tiles for the query tile starting at row ``m0`` (forward and dQ kernels).
 
-    Keys past ``seqlen_k`` read as zeros through TMA and would score 0, not -inf, so the
-    last partial tile always goes to the masked run.
+    Keys past ``seqlen_k`` read as zeros through TMA (or, in a packed batch, as the next
+    sequence's keys) and would score like real keys, so the last partial tile always goes to
+    the masked run, and no tile starting at or past ``seqlen_k`` is visited.
     """
     off = seqlen_k - seqlen_q
     hi = seqlen_k
@@ -80,8 +81,9 @@ def query_tiles(
 ):
     """Query tiles for the key tile starting at column ``n0`` (dK/dV kernel).
 
-    Rows past ``seqlen_q`` need no mask: they read as zeros and their LSE as +inf, so
-    their recomputed probabilities are exactly 0.
+    Rows past ``seqlen_q`` need no mask: they read as zeros (or, in a packed batch, as the
+    next sequence's finite rows) and their LSE as +inf, so their recomputed probabilities
+    are exactly 0.
     """
     off = seqlen_k - seqlen_q
     lo = 0
