@@ -39,7 +39,7 @@ def _desc(rows: int, hd: int, dtype: str) -> str:
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
                    kv_as_b: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
-                   dropout: bool = False, exp2_split: bool = False):
+                   dropout: bool = False):
     masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
              "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN,
              "HAS_DROPOUT": dropout}
@@ -48,7 +48,7 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "O_desc": _desc(bm, hd, dtype), "O": f"*{dtype}", "LSE": "*fp32", **COMMON, "nheads": "i32",
                "group": "i32", "max_seqlen_q": "i32"}
-        consts = dict(masks, WARP_SPECIALIZE=False, EXP2_SPLIT=exp2_split)
+        consts = dict(masks, WARP_SPECIALIZE=False)
     elif kind == "dkdv":
         fn = ka._attn_bwd_dkdv
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
@@ -100,7 +100,6 @@ def main():
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")
     ap.add_argument("--dropout", action="store_true")
-    ap.add_argument("--exp2-split", action="store_true", help="forward: half of the exp2 on the FMA pipe")
     args = ap.parse_args()
     global VARLEN
     VARLEN = args.varlen
@@ -108,10 +107,9 @@ def main():
                                                            args.softcap, args.alibi):
         bm, bn, w, s = map(int, tiles.split(","))
         k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al),
-                           dropout=args.dropout, exp2_split=args.exp2_split)
+                           dropout=args.dropout)
         print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb} "
-              f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)} "
-              f"exp2_split={int(args.exp2_split)}: {report(k)}", flush=True)
+              f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)}: {report(k)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels import fastmath
-from flashtile.kernels.fastmath import exp2_tile
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 from flashtile.kernels.runtime import INTERPRET
 
@@ -186,7 +184,7 @@ def _fwd_tiles(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP2_SPLIT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -207,7 +205,7 @@ def _fwd_tiles(
         # exp(s*scale - m) == exp2(s*scale*log2e - m*log2e): with qk_scale = scale*log2e
         # and m kept in log2 units, the scale and the max subtraction are one FMA per score
         # feeding the hardware's native exp2.
-        p = exp2_tile(qk * s_scale - m_sub[:, None], BLOCK_M, BLOCK_N, EXP2_SPLIT)
+        p = tl.math.exp2(qk * s_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped entries too
         if HAS_DROPOUT:
@@ -228,7 +226,6 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EXP2_SPLIT: tl.constexpr,
 ):
     pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
@@ -257,19 +254,19 @@ def _attn_fwd(
                                    softcap_scale, softcap_log2, slope_log2,
                                    dropout_p, seed, rng_offset, lse_row, rng_cols,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION, EXP2_SPLIT)
+                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, full_lo, full_hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION, EXP2_SPLIT)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, full_hi, hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION, EXP2_SPLIT)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
 
     # Deferred normalisation: one reciprocal per row.  A row with no visible key has
     # l = 0: its output is 0 and its LSE -inf, never NaN.
@@ -683,7 +680,6 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"],
         VARLEN=layout.varlen,
         WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=_dot_precision(q.dtype),
-        EXP2_SPLIT=fastmath.EXP2_SPLIT and q.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _unpad(out_, d), lse

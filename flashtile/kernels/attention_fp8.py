@@ -43,8 +43,6 @@ from flashtile.kernels.attention import (
     _tile_and_head,
     _tma_ready,
 )
-from flashtile.kernels import fastmath
-from flashtile.kernels.fastmath import exp2_tile
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import INTERPRET
 
@@ -108,7 +106,6 @@ def _fp8_fwd_tiles(
     acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, start, end, seqlen_q, seqlen_k, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, OFFSET: tl.constexpr, V_TRANSPOSED: tl.constexpr, EXACT_ROUNDING: tl.constexpr,
-    EXP2_SPLIT: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in range(start, end, BLOCK_N):
@@ -121,7 +118,7 @@ def _fp8_fwd_tiles(
         m_ij, m_sub = _online_max(qk, m_i, qk_scale, MASKED)
         # One FMA per score: descales, softmax scale and log2(e) live in qk_scale, and the
         # offset in the subtrahend, so P = 2^OFFSET * exp(s - m) costs nothing extra.
-        p = exp2_tile(qk * qk_scale - (m_sub - OFFSET)[:, None], BLOCK_M, BLOCK_N, EXP2_SPLIT)
+        p = tl.math.exp2(qk * qk_scale - (m_sub - OFFSET)[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_TRANSPOSED:
@@ -144,7 +141,6 @@ def _attn_fwd_fp8(
     seqlen_q, seqlen_k, nheads, group, softmax_scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, OFFSET: tl.constexpr, V_TRANSPOSED: tl.constexpr, EXACT_ROUNDING: tl.constexpr,
-    EXP2_SPLIT: tl.constexpr,
 ):
     pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, CAUSAL)
     b = bh // nheads
@@ -165,10 +161,10 @@ def _attn_fwd_fp8(
     _, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, -1, 0, BLOCK_M, BLOCK_N, False, CAUSAL)
     acc, l_i, m_i = _fp8_fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_lo, full_hi,
                                    seqlen_q, seqlen_k, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                   False, CAUSAL, OFFSET, V_TRANSPOSED, EXACT_ROUNDING, EXP2_SPLIT)
+                                   False, CAUSAL, OFFSET, V_TRANSPOSED, EXACT_ROUNDING)
     acc, l_i, m_i = _fp8_fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, full_hi, hi,
                                    seqlen_q, seqlen_k, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                   True, CAUSAL, OFFSET, V_TRANSPOSED, EXACT_ROUNDING, EXP2_SPLIT)
+                                   True, CAUSAL, OFFSET, V_TRANSPOSED, EXACT_ROUNDING)
 
     # l holds 2^OFFSET times the true row sum, exactly as acc does: their ratio is the
     # output; only the LSE takes the offset back out.  Empty rows: out 0, LSE -inf.
@@ -249,6 +245,6 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
         OFFSET=MAX_OFFSET if max_offset else 0, V_TRANSPOSED=bool(v_transposed), EXACT_ROUNDING=INTERPRET,
-        EXP2_SPLIT=fastmath.EXP2_SPLIT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
