@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
-#   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax features decode tune_decode fp8 ring io
+#   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax softmax_tests tune_softmax
+#                                                 features varlen_ab decode tune_decode kvcache_tests fp8 ring io
+# (varlen_ab needs the branch worktree at scratch/wt-varlen, carried to the device.)
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
 set -u
@@ -25,9 +27,20 @@ for part in $parts; do
     tests) run gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
     attention) run attention 420 python3 -m flashtile.bench.gpu --out "$RES" ;;
     softmax) run softmax 120 python3 -m flashtile.bench.softmax --out "$RES" ;;
+    softmax_tests) run softmax_tests 150 python3 -m pytest tests/kernels/test_softmax_kernels.py -m gpu -q \
+                     -p no:cacheprovider -p no:warnings ;;
+    tune_softmax) run tune_softmax 200 python3 benchmarks/tune_softmax.py --out "$RES" --budget-s 150 \
+                    --cols 16384 65536 262144 1048576 4194304 --configs "" "cooperative_max=0" \
+                    "coop_warps=4" "coop_warps=4,coop_block=4096,coop_bwd_block=2048" "coop_warps=2,coop_block=4096" \
+                    "coop_maxnreg=64" "coop_warps=4,coop_maxnreg=128" "in_register_max=8192,coop_warps=4" ;;
+    kvcache_tests) run kvcache_tests 90 python3 -m pytest tests/test_kvcache.py -m gpu -q -p no:cacheprovider -p no:warnings ;;
+    varlen_ab) run varlen_main 100 python3 -m flashtile.bench.features --parts varlen --out "$RES/varlen_main"
+               ( cd scratch/wt-varlen && run varlen_branch 100 python3 -m flashtile.bench.features --parts varlen \
+                   --out "$RES/varlen_branch" && run varlen_branch_tests 100 python3 -m pytest tests/test_varlen.py \
+                   -m gpu -q -p no:cacheprovider -p no:warnings ) ;;
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
-    tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --out "$RES/tune_decode.jsonl" ;;
+    tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --out "$RES/tune_decode.jsonl" ;;
     fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"
          run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
     ring) run ring 90 python3 -m torch.distributed.run --standalone --nproc_per_node=${RING_GPUS:-1} benchmarks/bench_ring.py \
@@ -35,6 +48,7 @@ for part in $parts; do
     io) run iomodel 120 python3 benchmarks/measure_io.py --out "$RES" ;;
     *) echo "unknown part $part" ;;
   esac
+  tar -czf "$OUT/results.tgz" -C "$OUT" results  # after every part: a call cut short keeps what ran
 done
-tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$RES"
+rm -rf "$RES"
 echo "packed $OUT/results.tgz after $(( $(date +%s) - t0 ))s"

@@ -49,7 +49,8 @@ def main():
     for batch, cache, page in itertools.product(args.batches, args.caches, args.paged):
         for bn, warps, stages, splits in itertools.product(args.block_n, args.warps, args.stages, args.splits):
             knob = "block_n_paged" if page else "block_n"
-            os.environ[kd.TUNING_ENV] = f"{knob}={bn},warps={warps},stages={stages}"
+            # paged_wide_below_splits=0: the tile is the one asked for, not widened for few splits
+            os.environ[kd.TUNING_ENV] = f"{knob}={bn},warps={warps},stages={stages},paged_wide_below_splits=0"
             rec = dict(bench="decode_tune", batch=batch, seqlen_k=cache, page_size=page, block_n=bn, warps=warps,
                        stages=stages, num_splits=splits)
             try:

@@ -82,6 +82,8 @@ def _plans(ks, m, n, elt, config):
 def _describe(p):
     if p["strategy"] == "registers":
         return f"registers w{p['num_warps']}"
+    if p["strategy"] == "cooperative":
+        return f"cooperative {p['BLOCK_N']} w{p['num_warps']} s{p['splits']}"
     extra = f"p{p['programs']}" if p["strategy"] == "fused" else f"s{p['splits']}"
     return f"{p['strategy']} {p['BLOCK_N']}x{p['UNROLL']} w{p['num_warps']} {extra}"
 
@@ -179,7 +181,7 @@ def _measure(torch, flashtile, ks, x, dy, config, elt, rep_ms, modes, dtype_name
 # ---------------------------------------------------------------------------------------
 
 H200_SMS = 132
-POINTERS = {"X", "Y", "MASK", "G", "DX", "M_PART", "L_PART", "S_PART"}
+POINTERS = {"X", "Y", "MASK", "G", "DX", "M_PART", "L_PART", "S_PART", "ARRIVED"}
 FLOATS = {"scale_log2", "scale"}
 ONES = {"sxc", "smc", "L1"}  # contiguous rows: Triton specializes arguments equal to 1
 ALIGNED = {"n_cols", "chunk", "L2", "sx0", "sx1", "sx2", "sm0", "sm1", "sm2"}  # multiples of 16
@@ -196,7 +198,7 @@ def compile_for_sm90(fn, dtype, constexprs, num_warps, num_stages=3):
         elif name in ONES:
             sig[name], consts[name] = "constexpr", 1
         elif name in POINTERS:
-            sig[name] = "*fp32" if name.endswith("_PART") else f"*{dtype}"
+            sig[name] = {"ARRIVED": "*i32"}.get(name, "*fp32" if name.endswith("_PART") else f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOATS:
             sig[name] = "fp32"
@@ -267,9 +269,16 @@ def report(configs, dtypes):
                 yield f"{tag} bwd write", ks._softmax_bwd_write, dict(LOG=False, MASK_KIND=0, SPLITS=64,
                                                                       LAST_READ=pol["LAST_READ"], WRITE=pol["WRITE"],
                                                                       **tiles), w
+        for backward, fn in ((False, ks._softmax_fwd_cooperative), (True, ks._softmax_bwd_cooperative)):
+            p = ks.plan(1024, 262144, strategy="cooperative", backward=backward)
+            w = p["num_warps"]
+            for log, mask_kind in ((False, 0), (True, 0), (False, 1), (False, 2)):
+                yield (f"cooperative chunk={p['BLOCK_N']} warps={w} {'bwd' if backward else 'fwd'} log={int(log)} "
+                       f"mask={mask_kind}", fn, dict(LOG=log, MASK_KIND=mask_kind, BLOCK_N=p["BLOCK_N"],
+                                                      SPLITS=p["SPLITS"], PHASE=0), w)
         for n_cols in (16384, 32768):
-            p = ks.plan(1, n_cols, strategy="registers")
             for name, fn in (("fwd", ks._softmax_fwd_in_registers), ("bwd", ks._softmax_bwd_in_registers)):
+                p = ks.plan(1, n_cols, strategy="registers", backward=name == "bwd")
                 yield (f"registers N={n_cols} warps={p['num_warps']} {name}", fn,
                        dict(LOG=False, MASK_KIND=0, ROWS=1, BLOCK_N=p["BLOCK_N"]), p["num_warps"])
 

@@ -37,20 +37,25 @@ from flashtile.kernels.attention import (
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.runtime import INTERPRET, has_programmatic_launch, parse_tuning, sm_count
 
-# --- Launch knobs (H200 measurements in benchmarks/NOTES.md, session 3) -------------------
-# Key tiles: 128 for a contiguous cache (batch 1, 32k: 2.9 TB/s against 2.7 with 64); a paged
-# cache computes an address per key row and keeps 64; head dims above 128 take 32.
+# --- Launch knobs (H200 measurements: benchmarks/results/h200_session4/tune_decode.jsonl) --
+# Key tiles: 128 for a contiguous cache (batch 1, 32k: 3.0 TB/s against 2.9 with 64); a paged
+# cache computes an address per key row and takes 64, or 128 when there are fewer than
+# PAGED_WIDE_BELOW_SPLITS splits (batch 8, 32k, 16-token pages: 3.9 TB/s against 3.4; batch 1,
+# 64 splits: 2.5 against 2.1); head dims above 128 take 32.
 BLOCK_N = 128
 BLOCK_N_PAGED = 64
-# 8 warps: within 2 % of 4 at batch 1 and cache 32k (2876 against 2908 GB/s with 128-key tiles).
-WARPS = 8
+PAGED_WIDE_BELOW_SPLITS = 16
+# 4 warps: 3-20 % above 8 in every measured case (batch 1 / 8, cache 8k / 32k, contiguous and
+# paged; e.g. batch 8, 8k, paged: 3.0 TB/s against 2.7).
+WARPS = 4
 STAGES = 3
 # Splits: at most PROGRAMS_PER_SM programs per SM in one wave, each split keeping at least
 # MIN_TILES_PER_SPLIT key tiles (see choose_num_splits).
 PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 8
 TUNING_ENV = "FLASHTILE_DECODE_TUNING"
-KNOBS = {"block_n": "BLOCK_N", "block_n_paged": "BLOCK_N_PAGED", "warps": "WARPS", "stages": "STAGES",
+KNOBS = {"block_n": "BLOCK_N", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
+         "warps": "WARPS", "stages": "STAGES",
          "programs_per_sm": "PROGRAMS_PER_SM", "min_tiles_per_split": "MIN_TILES_PER_SPLIT"}
 
 
@@ -240,6 +245,11 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
     if num_splits <= 0:
         num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n, knob["programs_per_sm"],
                                        knob["min_tiles_per_split"])
+        if paged and block_n == 64 and num_splits < knob["paged_wide_below_splits"]:
+            # Few, long splits: wider tiles amortise the block-table reads over more rows.
+            block_n = 128
+            num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n, knob["programs_per_sm"],
+                                           knob["min_tiles_per_split"])
     chunk = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
     o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)

@@ -10,6 +10,19 @@ and, when it does not, on whether its second read can be served by the L2 cache:
   reduction), and writes the result: 1 read + 1 write.  Short rows pack several rows into
   one program (``ROWS > 1``) so each program still moves enough bytes; long-but-fitting
   rows get one program and more warps.
+* **cooperative** (longer rows, up to ``COOPERATIVE_MAX`` / ``COOP_BWD_MAX`` elements, at
+  most 4M forward / 2M backward on an H200; by default the backward up to 256k): a row
+  too long for one SM is cut into chunks of ``COOP_BLOCK`` elements, one per program, and
+  every chunk stays in registers from its read to its write, so HBM sees 1 read + 1 write
+  however long the row.  Each program publishes its chunk's ``(m, l)`` and waits until the
+  row's other chunk programs have published theirs (a per-row arrival counter), then
+  merges them with the online-softmax rule and writes.  Waiting on another program is only
+  safe when that program is running, so the grid is launched *cooperatively* (the driver
+  refuses a grid whose programs cannot all be resident at once) and holds as many rows'
+  chunk programs as fit, each group of chunk programs taking its rows in the same order.
+  Only the programs of one row wait for each other, so groups drift apart and one group's
+  wait overlaps another's streaming.  Rows whose chunks cannot all be resident at once
+  fall back to the two paths below.
 * **fused** (longer rows, and enough of them to give every SM its own rows): persistent
   programs (1 to ``FUSED_PROGRAMS_PER_SM`` per SM) walk rows one after another, each doing
   both passes of the online softmax itself.  Pass 1 streams the row keeping a running
@@ -30,8 +43,9 @@ and, when it does not, on whether its second read can be served by the L2 cache:
   reverse order of kernel 1, so the last ~L2-size of kernel 1's reads are re-read first,
   while still cached.  Beyond that the second read comes from HBM: 2 reads + 1 write.
 
-Programs of one launch never wait on each other (in the interpreter they run one after
-another), which is why a row too long for one SM's share needs the two-kernel split path.
+Outside the cooperative path programs of one launch never wait on each other.  The
+interpreter runs programs one after another, so there the cooperative kernel runs as two
+launches of the same code: publish every chunk's ``(m, l)``, then re-read and write.
 
 Every streaming loop loads ``UNROLL`` sub-tiles of ``BLOCK_N`` elements back to back before
 using any of them, so each warp keeps several 16-byte loads in flight (bytes in flight per
@@ -106,6 +120,25 @@ FUSED_MIN_ROWS_PER_SM = 1.0
 SPLIT_WARPS = 8
 SPLIT_PROGRAMS_PER_SM = 8
 MAX_SPLITS = 256
+# Cooperative path: rows longer than IN_REGISTER_MAX and up to COOPERATIVE_MAX (forward) /
+# COOP_BWD_MAX (backward) elements are cut into chunks of COOP_BLOCK (forward) /
+# COOP_BWD_BLOCK (backward: y and dy both held) elements, one chunk per program of
+# COOP_WARPS warps, held in registers from its read to its write (32 / 16 values per thread
+# at 8 warps).  0 turns the path off.  Measured on an H200 (M x N = 2^28, fraction of the
+# copy rate, benchmarks/results/h200_session4/tune_softmax_1.log): the backward gains
+# (bf16 64k / 256k / 1M: 0.78 / 0.69 / 0.49 against the fused path's 0.74 / 0.56 / 0.55;
+# fp32 0.87 / 0.78 / 0.65 against 0.67 / 0.60 / 0.59), the forward loses (bf16 0.67 / 0.64 /
+# 0.48 against 0.76 / 0.63 / 0.60): its chunk's wait for the row's slowest chunk is not
+# hidden by enough other bytes in flight, the registers holding the chunks being the limit.
+COOPERATIVE_MAX = 0
+COOP_BWD_MAX = 262144
+COOP_BLOCK = 8192
+COOP_BWD_BLOCK = 4096
+COOP_WARPS = 8
+# Register cap (ptxas .maxnreg) for the cooperative kernels: 0 = none, except when a row's
+# chunks would not all be resident without it -- then 64 (4 programs of 8 warps per SM: a
+# 4M-element row fits on an H200's 132 SMs; masked variants spill ~100 B at this cap).
+COOP_MAXNREG = 0
 # L2 eviction hints on the streaming kernels (1) or none (0).
 EVICTION_HINTS = 1
 # num_stages of the streaming loops (tl.range); 0 = the compiler's default (no pipelining
@@ -126,6 +159,12 @@ KNOBS = {
     "fused_min_rows_per_sm": "FUSED_MIN_ROWS_PER_SM",
     "split_warps": "SPLIT_WARPS",
     "split_programs_per_sm": "SPLIT_PROGRAMS_PER_SM",
+    "cooperative_max": "COOPERATIVE_MAX",
+    "coop_bwd_max": "COOP_BWD_MAX",
+    "coop_block": "COOP_BLOCK",
+    "coop_bwd_block": "COOP_BWD_BLOCK",
+    "coop_warps": "COOP_WARPS",
+    "coop_maxnreg": "COOP_MAXNREG",
     "evict": "EVICTION_HINTS",
     "stages": "LOOP_STAGES",
 }
@@ -217,6 +256,23 @@ def _softmax_out(x, bias, shift, inv_l, log2_l, scale_log2, LOG: tl.constexpr):
 def _normalizers(l):
     # An empty row (l = 0) keeps y = 0 (softmax) / -inf (log-softmax) instead of NaN.
     return 1.0 / tl.where(l == 0.0, 1.0, l), tl.where(l == 0.0, 0.0, tl.math.log2(l))
+
+
+@triton.jit
+def _arrive_and_wait(ARRIVED, row, splits):
+    """Cooperative path: count this program's partial of ``row`` as published, then wait until
+    the row's other ``splits - 1`` chunk programs have published theirs.
+
+    Safe only because the grid is launched cooperatively (every program resident at once:
+    nobody waits for a program that cannot start) and every program walks its rows in the
+    same order as the other programs of its row.  (Polling the partials themselves, as
+    nonzero 64-bit words, instead of one counter measured slower: 0.51 of the copy rate
+    against 0.67 for bf16 N = 64k.)"""
+    tl.debug_barrier()  # all threads' partial stores happen before the release below
+    tl.atomic_add(ARRIVED + row, 1, sem="release", scope="gpu")
+    arrived = tl.atomic_add(ARRIVED + row, 0, sem="acquire", scope="gpu")
+    while arrived < splits:
+        arrived = tl.atomic_add(ARRIVED + row, 0, sem="acquire", scope="gpu")
 
 
 # --------------------------------------------------------------------------------------
@@ -353,6 +409,52 @@ def _softmax_fwd_write(
         tl.store(Y + y_off + cols, y.to(Y.dtype.element_ty), mask=ok, eviction_policy=WRITE)
 
 
+@triton.jit
+def _softmax_fwd_cooperative(
+    X, MASK, Y, M_PART, L_PART, ARRIVED, n_rows, n_cols, L1, L2,
+    sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
+    scale_log2, splits,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    PHASE: tl.constexpr,
+):
+    """Cooperative path: program (slot, c) keeps chunk c of rows slot, slot + slots, ... in
+    registers between its one read and its one write, and learns the row's (max, sum) from
+    the row's other chunk programs through ``M_PART`` / ``L_PART`` and a zeroed arrival
+    counter per row, ``ARRIVED``.
+
+    PHASE 0 is the GPU kernel (publish, wait, write).  The interpreter runs programs one after
+    another, so a program could never see a later one's partial: it runs PHASE 1 (publish)
+    and then PHASE 2 (re-read and write) as two launches of this same code."""
+    pid = tl.program_id(0)
+    c = pid % splits
+    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < n_cols
+    for row in tl.range(pid // splits, n_rows, tl.num_programs(0) // splits):
+        x_off = _row_offset(row, L1, L2, sx0, sx1, sx2)
+        m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
+        x, bias = _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND, "evict_first")
+        m_c = tl.max(x * scale_log2 + bias, axis=0)
+        shift_c = _safe_shift(m_c)
+        # Kept for the write: exp2 runs once per element (at full HBM rate a second one would
+        # take the whole MUFU throughput), the output is e times one per-row factor.
+        e = tl.math.exp2(x * scale_log2 + (bias - shift_c))
+        if PHASE != 2:
+            # The true max, -inf for an empty chunk (see _softmax_fwd_partials).
+            tl.store(M_PART + row * splits + c, m_c)
+            tl.store(L_PART + row * splits + c, tl.sum(e, axis=0))
+            if PHASE == 0:
+                _arrive_and_wait(ARRIVED, row, splits)
+        if PHASE != 1:
+            shift, l = _merge_partials(M_PART, L_PART, row, splits, SPLITS)
+            inv_l, log2_l = _normalizers(l)
+            if LOG:
+                y = (x * scale_log2 + (bias - shift - log2_l)) * 0.6931471805599453
+            else:
+                y = e * (tl.math.exp2(shift_c - shift) * inv_l)
+            y_off = tl.cast(row, tl.int64) * n_cols
+            tl.store(Y + y_off + cols, y.to(Y.dtype.element_ty), mask=ok, eviction_policy="evict_first")
+
+
 # Backward.  With y the output (contiguous) and g = dL/dy:
 #   softmax:     dx = scale * y * (g - sum(g * y))
 #   log_softmax: dx = scale * (g - exp(y) * sum(g))
@@ -469,6 +571,34 @@ def _softmax_bwd_write(
         tl.store(DX + row_off + cols, dx.to(DX.dtype.element_ty), mask=ok, eviction_policy=WRITE)
 
 
+@triton.jit
+def _softmax_bwd_cooperative(
+    Y, G, MASK, DX, S_PART, ARRIVED, n_rows, n_cols, L1, L2, sm0, sm1, sm2, smc, scale, splits,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    PHASE: tl.constexpr,
+):
+    """Cooperative path (see the forward): a chunk of y and g stays in registers while the
+    row's chunk programs exchange their partial sums through ``S_PART``."""
+    pid = tl.program_id(0)
+    c = pid % splits
+    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < n_cols
+    idx = tl.arange(0, SPLITS)
+    for row in tl.range(pid // splits, n_rows, tl.num_programs(0) // splits):
+        offs = tl.cast(row, tl.int64) * n_cols + cols
+        y = tl.load(Y + offs, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        g = tl.load(G + offs, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if PHASE != 2:
+            tl.store(S_PART + row * splits + c, tl.sum(g if LOG else g * y, axis=0))
+            if PHASE == 0:
+                _arrive_and_wait(ARRIVED, row, splits)
+        if PHASE != 1:
+            s = tl.sum(tl.load(S_PART + row * splits + idx, mask=idx < splits, other=0.0), axis=0)
+            m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
+            dx = _bwd_dx(MASK, y, g, s, m_off, cols, ok, smc, scale, LOG, MASK_KIND, "evict_first")
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok, eviction_policy="evict_first")
+
+
 # --------------------------------------------------------------------------------------
 # Launch planning
 # --------------------------------------------------------------------------------------
@@ -507,7 +637,7 @@ def collapse_rows(shape, *stride_sets):
     return tuple(lead), [tuple(st) for st in strides]
 
 
-STRATEGIES = ("registers", "fused", "split")
+STRATEGIES = ("registers", "cooperative", "fused", "split")
 _ALIASES = {"online": "split"}  # the split path's former name
 
 
@@ -519,17 +649,24 @@ def _sms() -> int:
     return 1 if INTERPRET else sm_count(torch.cuda.current_device())
 
 
+def streaming_strategy(n_rows: int) -> str:
+    """The two-pass path for rows that are not held on chip: fused when every SM gets rows."""
+    return "fused" if n_rows >= knobs()["fused_min_rows_per_sm"] * _sms() else "split"
+
+
 def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | None = None,
          splits: int | None = None, unroll: int | None = None, programs: int | None = None,
-         elem_bytes: int = 4, reread_bytes: int | None = None):
+         elem_bytes: int = 4, reread_bytes: int | None = None, backward: bool = False):
     """Pick the strategy and its launch shape for (n_rows, n_cols).
 
     ``elem_bytes`` is the size of the streamed tensors' elements (sub-tiles are one 16-byte
     vector per thread); ``reread_bytes`` the bytes per row that pass 2 reads again (default
-    ``n_cols * elem_bytes``), which sets how many rows the fused path keeps in flight.
-    ``strategy``, ``block`` (sub-tile elements), ``unroll`` (sub-tiles per iteration),
-    ``splits`` (chunks per row, split path) and ``programs`` (persistent grid, fused path;
-    still capped by occupancy at launch) override the knobs, for tests and tuning.
+    ``n_cols * elem_bytes``), which sets how many rows the fused path keeps in flight;
+    ``backward`` picks the backward's chunk size on the cooperative path.
+    ``strategy``, ``block`` (sub-tile elements; cooperative: chunk elements), ``unroll``
+    (sub-tiles per iteration), ``splits`` (chunks per row, split path) and ``programs``
+    (persistent grid, fused and cooperative paths; still capped by occupancy at launch)
+    override the knobs, for tests and tuning.
     """
     k = knobs()
     strategy = _ALIASES.get(strategy, strategy)
@@ -537,12 +674,22 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
     if strategy is None:
         if n_cols <= k["in_register_max"]:
             strategy = "registers"
-        elif n_rows >= k["fused_min_rows_per_sm"] * sms:
-            strategy = "fused"
+        elif n_cols <= k["coop_bwd_max" if backward else "cooperative_max"]:
+            strategy = "cooperative"
         else:
-            strategy = "split"
+            strategy = streaming_strategy(n_rows)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
+    if strategy == "cooperative":
+        if INTERPRET:
+            chunk, num_warps = block or 64, 1
+        else:
+            chunk, num_warps = block or k["coop_bwd_block" if backward else "coop_block"], k["coop_warps"]
+        chunk = triton.next_power_of_2(chunk)
+        n_splits = triton.cdiv(n_cols, chunk)
+        slots = n_rows if programs is None else max(1, programs // n_splits)
+        return dict(strategy=strategy, BLOCK_N=chunk, num_warps=num_warps, splits=n_splits,
+                    SPLITS=max(2, triton.next_power_of_2(n_splits)), slots=min(n_rows, slots))
     if strategy == "registers":
         block_n = max(16, triton.next_power_of_2(n_cols))
         if INTERPRET:
@@ -550,7 +697,10 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
             return dict(strategy=strategy, BLOCK_N=block_n, ROWS=rows, num_warps=1)
         rows = max(1, min(64, 4096 // block_n))
         # 8k+ rows: 32 values per thread (16k: 16 warps; 32k: 32 warps, which does not spill).
-        num_warps = 4 if block_n <= 4096 else min(32, block_n // 1024)
+        # The backward of 16k rows takes 32 warps (16 values of y and of dy per thread):
+        # bf16 0.96 of the copy rate against 0.76 with 16 (fp32 1.03 either way; H200,
+        # h200_session4/tune_softmax_2.jsonl).
+        num_warps = 4 if block_n <= 4096 else min(32, block_n // (512 if backward and block_n >= 16384 else 1024))
         if block_n >= 8192 and k["register_warps"]:
             num_warps = k["register_warps"]
         return dict(strategy=strategy, BLOCK_N=block_n, ROWS=rows, num_warps=num_warps)
@@ -612,18 +762,52 @@ def resident_programs_per_sm(compiled, num_warps: int, device_index: int) -> int
     return max(1, min(fits))
 
 
-def _persistent_grid(kernel, args, kwargs, p, device):
-    """The fused path's grid: the planned programs, capped by how many can be resident, since
-    a persistent program that has to wait for a free slot only starts when another is done."""
-    if INTERPRET:
-        return p["programs"]
+def _resident_programs(kernel, args, kwargs, device) -> int:
+    """How many programs of ``kernel`` (compiled for these arguments) the whole GPU holds at once."""
     key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), device.index,
            tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)), tuple(sorted(kwargs.items())))
     per_sm = _RESIDENT.get(key)
     if per_sm is None:
         compiled = kernel.warmup(*args, grid=(1,), **kwargs)
         per_sm = _RESIDENT[key] = resident_programs_per_sm(compiled, kwargs["num_warps"], device.index)
-    return max(1, min(p["programs"], per_sm * sm_count(device.index)))
+    return per_sm * sm_count(device.index)
+
+
+def _persistent_grid(kernel, args, kwargs, p, device):
+    """The fused path's grid: the planned programs, capped by how many can be resident, since
+    a persistent program that has to wait for a free slot only starts when another is done."""
+    if INTERPRET:
+        return p["programs"]
+    return max(1, min(p["programs"], _resident_programs(kernel, args, kwargs, device)))
+
+
+def _launch_cooperative(kernel, args, kwargs, p, device) -> bool:
+    """Run a cooperative kernel over ``p["slots"]`` rows at a time (fewer if fewer rows' chunk
+    programs can be resident at once); False, launching nothing, when not even one row's can."""
+    if INTERPRET:  # programs run one after another: publish everything, then write
+        grid = (p["slots"] * p["splits"],)
+        kernel[grid](*args, PHASE=1, **kwargs)
+        kernel[grid](*args, PHASE=2, **kwargs)
+        return True
+    # Cooperative: the driver refuses the launch unless every program can be resident at
+    # once, so a program waiting for its row's other chunks can never wait forever.
+    kwargs = dict(kwargs, PHASE=0, launch_cooperative_grid=True)
+    maxnreg = knobs()["coop_maxnreg"]
+    if maxnreg:
+        kwargs["maxnreg"] = maxnreg
+    slots = min(p["slots"], _resident_programs(kernel, args, kwargs, device) // p["splits"])
+    if slots < 1 and not maxnreg:  # more programs per SM at fewer registers each
+        kwargs["maxnreg"] = 64
+        slots = min(p["slots"], _resident_programs(kernel, args, kwargs, device) // p["splits"])
+    while slots >= 1:
+        try:
+            kernel[(slots * p["splits"],)](*args, **kwargs)
+            return True
+        except RuntimeError as e:  # our residency estimate above the driver's: fewer rows at once
+            if "cooperative" not in str(e).lower():
+                raise
+            slots //= 2
+    return False
 
 
 def _mask_kind(mask):
@@ -652,6 +836,14 @@ def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, lo
             x, mask_arg, y, n_rows, n_cols, L1, L2, *sx, *sm, scale_log2,
             LOG=log, MASK_KIND=kind, ROWS=p["ROWS"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
         return y
+    if p["strategy"] == "cooperative":
+        parts = torch.empty((2, n_rows * p["splits"]), dtype=torch.float32, device=x.device)
+        arrived = torch.zeros((n_rows,), dtype=torch.int32, device=x.device)
+        args = (x, mask_arg, y, parts[0], parts[1], arrived, n_rows, n_cols, L1, L2, *sx, *sm, scale_log2, p["splits"])
+        kw = dict(LOG=log, MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], SPLITS=p["SPLITS"], num_warps=p["num_warps"])
+        if _launch_cooperative(_softmax_fwd_cooperative, args, kw, p, x.device):
+            return y
+        p = plan(n_rows, n_cols, streaming_strategy(n_rows), elem_bytes=x.element_size(), reread_bytes=reread)
     pol = _policies(p)
     tiles = dict(BLOCK_N=p["BLOCK_N"], UNROLL=p["UNROLL"], STAGES=p["STAGES"], num_warps=p["num_warps"])
     if p["strategy"] == "fused":
@@ -682,12 +874,20 @@ def softmax_backward(y, g, mask, lead_shape, m_strides, scale, log, out_dtype,
     mask_arg = mask if mask is not None else y
     L1, L2 = lead_shape[1], lead_shape[2]
     reread = n_cols * (y.element_size() + g.element_size() + (mask.element_size() if mask is not None else 0))
-    p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, y.element_size(), reread)
+    p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, y.element_size(), reread, backward=True)
     if p["strategy"] == "registers":
         _softmax_bwd_in_registers[(triton.cdiv(n_rows, p["ROWS"]),)](
             y, g, mask_arg, dx, n_rows, n_cols, L1, L2, *m_strides, scale,
             LOG=log, MASK_KIND=kind, ROWS=p["ROWS"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
         return dx
+    if p["strategy"] == "cooperative":
+        part = torch.empty((n_rows * p["splits"],), dtype=torch.float32, device=y.device)
+        arrived = torch.zeros((n_rows,), dtype=torch.int32, device=y.device)
+        args = (y, g, mask_arg, dx, part, arrived, n_rows, n_cols, L1, L2, *m_strides, scale, p["splits"])
+        kw = dict(LOG=log, MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], SPLITS=p["SPLITS"], num_warps=p["num_warps"])
+        if _launch_cooperative(_softmax_bwd_cooperative, args, kw, p, y.device):
+            return dx
+        p = plan(n_rows, n_cols, streaming_strategy(n_rows), elem_bytes=y.element_size(), reread_bytes=reread)
     pol = _policies(p)
     tiles = dict(BLOCK_N=p["BLOCK_N"], UNROLL=p["UNROLL"], STAGES=p["STAGES"], num_warps=p["num_warps"])
     if p["strategy"] == "fused":

@@ -291,6 +291,18 @@ def test_plan_choices():
                     assert 1 <= p["splits"] <= splits and p["SPLITS"] >= p["splits"], p
     p = ks.plan(5, 1000, strategy="fused", programs=8)
     assert p["strategy"] == "fused" and p["programs"] == 5  # never more programs than rows
+    for n in (1, 17, 64, 65, 1000):
+        for block in (16, 64, 100):
+            for programs in (None, 1, 7, 64):
+                p = ks.plan(5, n, strategy="cooperative", block=block, programs=programs)
+                chunk = p["BLOCK_N"]
+                assert chunk >= block and chunk & (chunk - 1) == 0, p  # a power of two (tl.arange)
+                # every column is covered, no chunk program is empty, SPLITS holds them all
+                assert chunk * p["splits"] >= n and (p["splits"] - 1) * chunk < n, p
+                assert p["SPLITS"] >= p["splits"] and p["SPLITS"] >= 2, p
+                # whole rows' chunk programs only, at least one row, never more rows than there are
+                assert 1 <= p["slots"] <= 5, p
+                assert programs is None or p["slots"] == 1 or p["slots"] * p["splits"] <= programs, p
 
 
 def test_plan_on_h200_shapes(monkeypatch):
@@ -302,8 +314,23 @@ def test_plan_on_h200_shapes(monkeypatch):
     def at(n, elem, **kw):
         return ks.plan(2**28 // n, n, elem_bytes=elem, reread_bytes=n * elem, **kw)
 
+    assert at(16384, 2)["num_warps"] == 16 and at(16384, 2, backward=True)["num_warps"] == 32
+    assert at(8192, 2, backward=True)["num_warps"] == 8
     for elem in (2, 4):
         assert at(ks.IN_REGISTER_MAX, elem)["strategy"] == "registers"
+        # The backward holds rows of up to COOP_BWD_MAX in chunk programs (the cooperative
+        # path); the forward, and longer backward rows, take the two-pass paths below.
+        for n in (ks.IN_REGISTER_MAX + 1, 65536, ks.COOP_BWD_MAX):
+            p = at(n, elem, backward=True)
+            assert p["strategy"] == "cooperative", (n, elem, p)
+            assert p["BLOCK_N"] == ks.COOP_BWD_BLOCK
+            assert p["splits"] == -(-n // p["BLOCK_N"]) and p["slots"] == 2**28 // n
+        assert at(2 * ks.COOP_BWD_MAX, elem, backward=True)["strategy"] == "fused"
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304")
+    p = at(4194304, 2)
+    assert p["strategy"] == "cooperative" and p["BLOCK_N"] == ks.COOP_BLOCK and p["splits"] == 512
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=0")
+    for elem in (2, 4):
         for n in (2 * ks.IN_REGISTER_MAX, 65536, 262144, 1048576):
             p = at(n, elem)
             assert p["strategy"] == "fused", (n, elem, p)
@@ -318,8 +345,9 @@ def test_plan_on_h200_shapes(monkeypatch):
     assert at(65536, 2)["programs"] == 2 * 132  # 128 KB rows: two rows per SM fit in L2
     assert at(262144, 2)["programs"] == 132
     assert ks.plan(131, 10**6)["strategy"] == "split" and ks.plan(132, 10**6)["strategy"] == "fused"
+    assert ks.streaming_strategy(131) == "split" and ks.streaming_strategy(132) == "fused"
     # Allowed below one program per SM, the longest rows get fewer, larger programs.
-    monkeypatch.setenv(ks.TUNING_ENV, "min_programs_per_sm=0.5")
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=0,min_programs_per_sm=0.5")
     p = at(262144, 2)
     assert p["programs"] == 66 and p["num_warps"] == 32
     assert at(65536, 2)["programs"] == 2 * 132  # unchanged where L2 holds a row per SM
@@ -349,8 +377,12 @@ def test_tuning_knobs_from_environment(monkeypatch):
     assert k["unroll"] == 2 and k["programs_per_sm"] == 1 and k["fused_min_rows_per_sm"] == 1e9
     assert k["in_register_max"] == ks.IN_REGISTER_MAX  # untouched knobs keep the module's value
     assert ks.plan(4, 10**6)["strategy"] == "split"
-    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8")
-    assert ks.plan(4, 9)["strategy"] == "fused" and ks.plan(4, 8)["strategy"] == "registers"
+    assert ks.plan(4, ks.COOP_BWD_MAX, backward=True)["strategy"] == "cooperative"
+    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,cooperative_max=100")
+    assert ks.plan(4, 9)["strategy"] == "cooperative" and ks.plan(4, 8)["strategy"] == "registers"
+    assert ks.plan(4, 101)["strategy"] == "fused"
+    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,coop_bwd_max=0,coop_block=128")
+    assert ks.plan(4, 9, backward=True)["strategy"] == "fused" and ks.knobs()["coop_block"] == 128
     for bad in ("bogus=1", "unroll", "unroll=two"):
         monkeypatch.setenv(ks.TUNING_ENV, bad)
         with pytest.raises(ValueError):
@@ -410,7 +442,8 @@ def _launch(x, mask, scale, log, dtype, g, **override):
 
 
 def _stream_kw(strategy, block, unroll, count):
-    """Launch overrides: ``count`` is the splits per row (split) or the persistent grid (fused)."""
+    """Launch overrides: ``count`` is the splits per row (split) or the persistent grid (fused,
+    cooperative); on the cooperative path ``block`` is the chunk per program (``unroll`` unused)."""
     kw = dict(strategy=strategy, block=block, unroll=unroll)
     kw["splits" if strategy == "split" else "programs"] = count
     return kw
@@ -438,6 +471,16 @@ STREAM_CASES = [
     ("fused", 1000, 64, 2, 3, "bool", True),
     ("fused", 1000, 64, 4, 1, "add", False),
     ("fused", 1000, 32, 4, 2, "none", True),
+    # cooperative: chunk per program, rows' chunk programs in the grid (programs)
+    ("cooperative", 1, 16, 1, 1, "bool", True),
+    ("cooperative", 17, 16, 1, 2, "bool", True),
+    ("cooperative", 17, 16, 1, 100, "add", False),
+    ("cooperative", 200, 16, 1, 13, "bool", False),
+    ("cooperative", 200, 32, 1, 7, "none", True),
+    ("cooperative", 200, 64, 1, 64, "add", True),
+    ("cooperative", 1000, 64, 1, 16, "bool", True),
+    ("cooperative", 1000, 128, 1, 3, "add", False),
+    ("cooperative", 1000, 256, 1, 64, "none", True),
 ]
 
 
@@ -471,7 +514,7 @@ def test_streaming_matches_registers_and_oracle(case):
 
 
 @needs_kernels
-@pytest.mark.parametrize("strategy", ["split", "fused"])
+@pytest.mark.parametrize("strategy", ["split", "fused", "cooperative"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 def test_streaming_low_precision(dtype, strategy):
     x = randn(3, 200, dtype=dtype, seed=8)
@@ -486,7 +529,7 @@ def test_streaming_low_precision(dtype, strategy):
 
 
 @needs_kernels
-@pytest.mark.parametrize("strategy", ["split", "fused"])
+@pytest.mark.parametrize("strategy", ["split", "fused", "cooperative"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_streaming_extreme_values(strategy, log):
     """+-1000 logits (and a constant 1000 row) are exact through the running max; a row whose
@@ -512,13 +555,18 @@ def test_streaming_extreme_values(strategy, log):
 
 
 @needs_kernels
-@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("path", ["cooperative", "fused", "split"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_public_api_through_streaming_paths(monkeypatch, log, path):
-    """With IN_REGISTER_MAX lowered the op's default plan streams (fused, or split when
-    FUSED_MIN_ROWS_PER_SM asks for more rows than there are): the autograd wiring, dims,
-    strides (a transposed view, a sliced one) and masks go through it too."""
+    """With IN_REGISTER_MAX lowered the op's default plan holds rows in chunk programs
+    (cooperative) or, with that path off, streams (fused, or split when FUSED_MIN_ROWS_PER_SM
+    asks for more rows than there are): the autograd wiring, dims, strides (a transposed
+    view, a sliced one) and masks go through it too."""
     monkeypatch.setattr(ks, "IN_REGISTER_MAX", 64)
+    if path == "cooperative":
+        monkeypatch.setattr(ks, "COOPERATIVE_MAX", 1000)
+    else:
+        monkeypatch.setattr(ks, "COOP_BWD_MAX", 0)
     if path == "split":
         monkeypatch.setattr(ks, "FUSED_MIN_ROWS_PER_SM", 10**6)
     p = ks.plan(2, 130)
@@ -683,14 +731,16 @@ def _scale_param(scale, n, strategy, masked=False):
 SCALE_CASES = [
     _scale_param(s, n, strat)
     for s in (0.125, 3.0, -1.0)
-    for n, strat in ((31, "registers"), (32, "registers"), (200, "split"), (200, "fused"))
+    for n, strat in ((31, "registers"), (32, "registers"), (200, "split"), (200, "fused"), (200, "cooperative"))
 ] + [
     _scale_param(0.0, 31, "registers"),
     _scale_param(0.0, 32, "registers"),
     _scale_param(-1.0, 31, "registers", masked=True),
     _scale_param(-1.0, 200, "split", masked=True),
     _scale_param(-1.0, 200, "fused", masked=True),
+    _scale_param(-1.0, 200, "cooperative", masked=True),
     _scale_param(0.0, 200, "fused"),
+    _scale_param(0.0, 200, "cooperative"),
 ]
 
 
@@ -766,7 +816,7 @@ def test_large_common_offset_fp32(log):
 
 
 @needs_kernels
-@pytest.mark.parametrize("strategy", ["registers", "split", "fused"])
+@pytest.mark.parametrize("strategy", ["registers", "split", "fused", "cooperative"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_non_finite_inputs(log, strategy):
     n = 40
@@ -994,20 +1044,36 @@ def test_gpu_huge_rows_split(dtype, log):
     _gpu_fwd_bwd(x, log=log)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_gpu_huge_rows_cooperative(dtype, log, monkeypatch):
+    """4M-element rows, cooperative both ways: the forward holds all 512 chunks of a row at
+    once (at the register cap); the backward's 1024 chunk programs cannot all be resident,
+    so it falls back to the split path."""
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304,coop_bwd_max=4194304")
+    x = randn(2, 4_194_304, dtype=dtype, device="cuda", seed=40)
+    p = ks.plan(2, x.shape[1], elem_bytes=x.element_size())
+    assert p["strategy"] == "cooperative" and p["splits"] == 4_194_304 // ks.COOP_BLOCK
+    _gpu_fwd_bwd(x, log=log)
+
+
 def _gpu_rows_for_fused():
     """Enough rows for the default plan to take the fused path on this GPU."""
     return int(ks.FUSED_MIN_ROWS_PER_SM * ks.sm_count(torch.cuda.current_device())) + 8
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("path", ["cooperative", "fused", "split"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
 @pytest.mark.parametrize("n,log", [(16385, False), (65537, True), (262145, False)], ids=str)
 def test_gpu_streaming_paths(n, log, dtype, path, monkeypatch):
     """Rows just past the in-register limit and past powers of two (ragged last tile, rows
-    not 16-byte aligned), through the default plan (fused: enough rows) and forced split."""
-    if path == "split":
-        monkeypatch.setenv(ks.TUNING_ENV, "fused_min_rows_per_sm=1000000")
+    not 16-byte aligned), through each path both ways: cooperative, fused (enough rows) and
+    forced split."""
+    monkeypatch.setenv(ks.TUNING_ENV, {"cooperative": "cooperative_max=1000000,coop_bwd_max=1000000",
+                                       "fused": "coop_bwd_max=0",
+                                       "split": "coop_bwd_max=0,fused_min_rows_per_sm=1000000"}[path])
     rows = _gpu_rows_for_fused()
     x = randn(rows, n, dtype=dtype, device="cuda", seed=n + 1, std=3.0)
     assert ks.plan(rows, n, elem_bytes=x.element_size())["strategy"] == path
@@ -1015,9 +1081,12 @@ def test_gpu_streaming_paths(n, log, dtype, path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["cooperative", "fused"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-def test_gpu_fused_masked_and_extreme_rows(log):
+def test_gpu_masked_and_extreme_long_rows(log, path, monkeypatch):
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=65536" if path == "cooperative" else "coop_bwd_max=0")
     rows, n = _gpu_rows_for_fused(), 65536
+    assert ks.plan(rows, n, elem_bytes=2)["strategy"] == path
     x = randn(rows, n, dtype=BF16, device="cuda", seed=45, std=2.0)
     x[0] = 1000.0
     x[1, ::2], x[1, 1::2] = 1000.0, -1000.0
@@ -1038,7 +1107,10 @@ def test_gpu_tuning_knobs_keep_results(monkeypatch):
     """Every knob setting the tuning script sweeps computes the same function."""
     rows = _gpu_rows_for_fused()
     x = randn(rows, 65537, dtype=BF16, device="cuda", seed=47)
-    for config in ("programs_per_sm=1", "warps_per_sm=32,unroll=1", "evict=0,block=1024", "stages=2"):
+    for config in ("coop_bwd_max=0,programs_per_sm=1", "coop_bwd_max=0,warps_per_sm=32,unroll=1",
+                   "coop_bwd_max=0,evict=0,block=1024", "coop_bwd_max=0,stages=2",
+                   "cooperative_max=65537,coop_maxnreg=64", "cooperative_max=65537,coop_block=16384,coop_bwd_block=2048",
+                   "cooperative_max=65537,coop_warps=4"):
         monkeypatch.setenv(ks.TUNING_ENV, config)
         _gpu_fwd_bwd(x, log=False)
 
