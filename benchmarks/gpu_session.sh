@@ -2,8 +2,7 @@
 # One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
 #   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax softmax_tests tune_softmax
-#                                                 features varlen_ab decode tune_decode kvcache_tests fp8 ring io
-# (varlen_ab needs the branch worktree at scratch/wt-varlen, carried to the device.)
+#                                                 features decode tune_decode kvcache_tests fp8 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
 set -u
@@ -34,10 +33,6 @@ for part in $parts; do
                     "coop_warps=4" "coop_warps=4,coop_block=4096,coop_bwd_block=2048" "coop_warps=2,coop_block=4096" \
                     "coop_maxnreg=64" "coop_warps=4,coop_maxnreg=128" "in_register_max=8192,coop_warps=4" ;;
     kvcache_tests) run kvcache_tests 90 python3 -m pytest tests/test_kvcache.py -m gpu -q -p no:cacheprovider -p no:warnings ;;
-    varlen_ab) run varlen_main 100 python3 -m flashtile.bench.features --parts varlen --out "$RES/varlen_main"
-               ( cd scratch/wt-varlen && run varlen_branch 100 python3 -m flashtile.bench.features --parts varlen \
-                   --out "$RES/varlen_branch" && run varlen_branch_tests 100 python3 -m pytest tests/test_varlen.py \
-                   -m gpu -q -p no:cacheprovider -p no:warnings ) ;;
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
     tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --out "$RES/tune_decode.jsonl" ;;
