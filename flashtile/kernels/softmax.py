@@ -384,6 +384,13 @@ def _merge_partials(M_PART, L_PART, row, splits, SPLITS: tl.constexpr):
 
 
 @triton.jit
+def _sum_partials(S_PART, row, splits, SPLITS: tl.constexpr):
+    """The backward's row sum: the sum of the row's chunk sums."""
+    idx = tl.arange(0, SPLITS)
+    return tl.sum(tl.load(S_PART + row * splits + idx, mask=idx < splits, other=0.0), axis=0)
+
+
+@triton.jit
 def _softmax_fwd_write(
     X, MASK, Y, M_PART, L_PART, n_cols, L1, L2, chunk,
     sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
@@ -559,8 +566,7 @@ def _softmax_bwd_write(
     TILE: tl.constexpr = BLOCK_N * UNROLL
     # Reverse of kernel 1's order: the chunks read last are re-read first, while still in L2.
     row, c0, c1 = _chunk_of(tl.num_programs(0) - 1 - tl.program_id(0), splits, chunk, n_cols)
-    idx = tl.arange(0, SPLITS)
-    s = tl.sum(tl.load(S_PART + row * splits + idx, mask=idx < splits, other=0.0), axis=0)
+    s = _sum_partials(S_PART, row, splits, SPLITS)
     row_off = tl.cast(row, tl.int64) * n_cols
     m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
     n_tiles = tl.cdiv(c1 - c0, TILE)
@@ -583,7 +589,6 @@ def _softmax_bwd_cooperative(
     c = pid % splits
     cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < n_cols
-    idx = tl.arange(0, SPLITS)
     for row in tl.range(pid // splits, n_rows, tl.num_programs(0) // splits):
         offs = tl.cast(row, tl.int64) * n_cols + cols
         y = tl.load(Y + offs, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -593,7 +598,7 @@ def _softmax_bwd_cooperative(
             if PHASE == 0:
                 _arrive_and_wait(ARRIVED, row, splits)
         if PHASE != 1:
-            s = tl.sum(tl.load(S_PART + row * splits + idx, mask=idx < splits, other=0.0), axis=0)
+            s = _sum_partials(S_PART, row, splits, SPLITS)
             m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
             dx = _bwd_dx(MASK, y, g, s, m_off, cols, ok, smc, scale, LOG, MASK_KIND, "evict_first")
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok, eviction_policy="evict_first")
