@@ -2,7 +2,8 @@
 # One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
 #   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax softmax_tests tune_softmax
-#                                                 features decode tune_decode kvcache_tests fp8 ring io
+#                                                 features decode decode_host tune_decode kvcache_tests fp8
+#                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
 set -u
@@ -35,6 +36,9 @@ for part in $parts; do
     kvcache_tests) run kvcache_tests 90 python3 -m pytest tests/test_kvcache.py -m gpu -q -p no:cacheprovider -p no:warnings ;;
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
+    decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
+                 run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \
+                   --caches 8192 32768 --impls flashtile flashtile_paged16 flashtile_paged256 sdpa_flash sdpa_cudnn ;;
     tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --out "$RES/tune_decode.jsonl" ;;
     fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"
          run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;

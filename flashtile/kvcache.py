@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import cpu
-from flashtile.ops.validation import _check_tensor, check_alibi_slopes, check_attention_inputs
+from flashtile.ops.validation import _check_tensor, check_alibi_slopes, check_attention_scalars, check_qkv_agree
 
 
 def _check_index(name, t, batch, device, rank=1):
@@ -100,7 +100,6 @@ def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
     return combine_splits(o_part, lse_part, q.shape[-1], q.dtype)
 
 
-@torch.no_grad()
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -138,11 +137,11 @@ def flash_attn_with_kvcache(
     """
     _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
     batch = q.shape[0]
-    # Shapes and scalar arguments through the common checks (k_cache stands in for k).
-    params = check_attention_inputs(q, k_cache[:1].expand(batch, *k_cache.shape[1:]),
-                                    v_cache[:1].expand(batch, *v_cache.shape[1:]),
-                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                    softcap=softcap, alibi_slopes=None)
+    # The common checks, without building (batch, ...) views of the cache: a decoding step
+    # lasts microseconds on the GPU, so the host path is kept to what is needed.
+    check_qkv_agree(q, k_cache, v_cache, "k_cache", "v_cache")
+    params = check_attention_scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap)
     if alibi_slopes is not None:
         check_alibi_slopes(alibi_slopes, batch, q.shape[2], q.device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
@@ -165,7 +164,8 @@ def flash_attn_with_kvcache(
     if needs_rows:
         batch_rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=q.device)
     if k is not None:
-        _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table)
+        with torch.no_grad():
+            _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table)
         seqlens_k = (cache_seqlens + k.shape[1]).to(torch.int32)
     elif isinstance(cache_seqlens, int):
         seqlens_k = cache_seqlens
@@ -180,5 +180,6 @@ def flash_attn_with_kvcache(
         bt = block_table.to(torch.int32) if paged else None
         out, lse = _attend_triton(q, k_cache, v_cache, seqlens_k, cbi, bt, *args, num_splits)
     else:
-        out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, *args)
+        with torch.no_grad():
+            out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, *args)
     return (out, lse) if return_lse else out

@@ -42,7 +42,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.kernels.dropout import dropout_scale
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
-from flashtile.kernels.runtime import INTERPRET
+from flashtile.kernels.runtime import INTERPRET, cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -504,7 +504,7 @@ def _attn_bwd_dq(
 
 
 def _padded_headdim(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -665,7 +665,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
     q_, k_, v_ = layout.prepare(q), layout.prepare(k), layout.prepare(v)
     out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
+    grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     drop = _dropout_args(dropout)
     _attn_fwd[grid](
@@ -700,7 +700,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     # Packed tensors have no batch dimension: batch stride 0, rows offset by cu_seqlens.
     o_strides = (0, out.stride(0), out.stride(1)) if layout.varlen else (out.stride(0), out.stride(1), out.stride(2))
     do_strides = (0, dout.stride(0), dout.stride(1)) if layout.varlen else (dout.stride(0), dout.stride(1), dout.stride(2))
-    _bwd_preprocess[(triton.cdiv(layout.seqlen_q, pre_m) * batch * nheads,)](
+    _bwd_preprocess[(cdiv(layout.seqlen_q, pre_m) * batch * nheads,)](
         out, dout, dlse if dlse is not None else lse, lse, delta, lse2, seq[0], seq[2], seq[3],
         *o_strides, *do_strides, layout.seqlen_q, layout.seqlen_q, nheads, d,
         HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd,
@@ -717,7 +717,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     rng = (drop["dropout_p"], drop["seed"], drop["rng_offset"], layout.rng_cols)
     group = nheads // nheads_k
     tiles = layout.tiles
-    _attn_bwd_dkdv[(triton.cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
+    _attn_bwd_dkdv[(cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
         tiles(q_, cfg_kv.block_m, hd), tiles(k_, cfg_kv.block_n, hd), tiles(v_, cfg_kv.block_n, hd),
         tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd), dk_, dv_,
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
@@ -727,7 +727,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
-    _attn_bwd_dq[(triton.cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](
+    _attn_bwd_dq[(cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](
         tiles(q_, cfg_q.block_m, hd), tiles(k_, cfg_q.block_n, hd), tiles(v_, cfg_q.block_n, hd),
         tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd), dq_,
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,

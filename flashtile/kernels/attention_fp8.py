@@ -44,7 +44,7 @@ from flashtile.kernels.attention import (
     _tma_ready,
 )
 from flashtile.kernels.masking import band_mask, key_tiles
-from flashtile.kernels.runtime import INTERPRET
+from flashtile.kernels.runtime import INTERPRET, cdiv, next_power_of_2
 
 # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; exponent 1111 with
 # mantissa 111 is NaN, so the largest finite value is 1.110b * 2^8 = 448.
@@ -186,7 +186,7 @@ def _attn_fwd_fp8(
 def padded_headdim(d: int) -> int:
     # An FP8 wgmma contracts 32 elements per instruction, so Q K^T needs HEAD_DIM >= 32;
     # columns past the true head dim read as zeros through the descriptors.
-    return max(32, triton.next_power_of_2(d))
+    return max(32, next_power_of_2(d))
 
 
 def fwd_config(head_dim_pad: int, causal: bool, interpret: bool = INTERPRET) -> _Config:
@@ -237,7 +237,7 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
         v_desc = _descriptor(_tma_ready(v), cfg.block_n, hd)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
+    grid = (cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
     _attn_fwd_fp8[grid](
         _descriptor(q_, cfg.block_m, hd), _descriptor(k_, cfg.block_n, hd), v_desc,
         _descriptor(out, cfg.block_m, hd), lse, q_descale, k_descale, v_descale,

@@ -19,7 +19,9 @@ address is computed on its own.
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 
 import torch
 import triton
@@ -35,7 +37,7 @@ from flashtile.kernels.attention import (
     _score_mod_args,
 )
 from flashtile.kernels.masking import band_mask
-from flashtile.kernels.runtime import INTERPRET, has_programmatic_launch, parse_tuning, sm_count
+from flashtile.kernels.runtime import INTERPRET, cdiv, has_programmatic_launch, next_power_of_2, parse_tuning, sm_count
 
 # --- Launch knobs (H200 measurements: benchmarks/results/h200_session4/tune_decode.jsonl) --
 # Key tiles: 128 for a contiguous cache (batch 1, 32k: 3.0 TB/s against 2.9 with 64); a paged
@@ -62,9 +64,15 @@ KNOBS = {"block_n": "BLOCK_N", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_bel
 def knobs() -> dict:
     """The knobs in force: the module constants, overridden by ``FLASHTILE_DECODE_TUNING``
     (``"block_n=64,warps=4"``; benchmarks/tune_decode.py sweeps them on a GPU)."""
-    current = {name: globals()[const] for name, const in KNOBS.items()}
-    current.update(parse_tuning(TUNING_ENV, os.environ.get(TUNING_ENV, ""), tuple(KNOBS)))
-    return current
+    return _knobs(os.environ.get(TUNING_ENV, ""), *(globals()[const] for const in KNOBS.values()))
+
+
+@functools.lru_cache(maxsize=8)
+def _knobs(env_text: str, *defaults) -> dict:
+    # Cached on the override text and the constants: the lookup runs on every decoding step.
+    current = dict(zip(KNOBS, defaults))
+    current.update(parse_tuning(TUNING_ENV, env_text, tuple(KNOBS)))
+    return types.MappingProxyType(current)  # shared between calls: read-only
 
 
 
@@ -205,7 +213,7 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, headdim: int, o
     _combine_splits[(batch * seqlen_q * nheads,)](
         o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, headdim,
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=hd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
+        HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
         num_warps=1 if INTERPRET else 4,
     )
     return out, lse
@@ -236,7 +244,7 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
     hd = _padded_headdim(d)
-    block_m = max(16, triton.next_power_of_2(group * seqlen_q))
+    block_m = max(16, next_power_of_2(group * seqlen_q))
     paged = block_table is not None
     knob = knobs()
     block_n = 16 if INTERPRET else (32 if hd > 128 else knob["block_n_paged"] if paged else knob["block_n"])
@@ -250,7 +258,7 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
             block_n = 128
             num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n, knob["programs_per_sm"],
                                            knob["min_tiles_per_split"])
-    chunk = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse_part)

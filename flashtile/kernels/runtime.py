@@ -43,3 +43,15 @@ def parse_tuning(env_name: str, text: str, names: tuple[str, ...], float_names: 
             raise ValueError(f"{env_name}: expected name=value with name in {sorted(names)}, got {item!r}")
         overrides[name] = float(value) if name in float_names else int(value)
     return overrides
+
+
+# Host-side integer helpers.  ``triton.cdiv`` / ``triton.next_power_of_2`` are
+# ``constexpr_function``s in Triton 3.6 and cost microseconds per call on the host, which
+# a decoding step (~20 us on the GPU) cannot afford; these are the plain-Python equivalents.
+def cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

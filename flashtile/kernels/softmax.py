@@ -79,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.runtime import INTERPRET, parse_tuning, sm_count
+from flashtile.kernels.runtime import INTERPRET, cdiv, next_power_of_2, parse_tuning, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -690,13 +690,13 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
             chunk, num_warps = block or 64, 1
         else:
             chunk, num_warps = block or k["coop_bwd_block" if backward else "coop_block"], k["coop_warps"]
-        chunk = triton.next_power_of_2(chunk)
-        n_splits = triton.cdiv(n_cols, chunk)
+        chunk = next_power_of_2(chunk)
+        n_splits = cdiv(n_cols, chunk)
         slots = n_rows if programs is None else max(1, programs // n_splits)
         return dict(strategy=strategy, BLOCK_N=chunk, num_warps=num_warps, splits=n_splits,
-                    SPLITS=max(2, triton.next_power_of_2(n_splits)), slots=min(n_rows, slots))
+                    SPLITS=max(2, next_power_of_2(n_splits)), slots=min(n_rows, slots))
     if strategy == "registers":
-        block_n = max(16, triton.next_power_of_2(n_cols))
+        block_n = max(16, next_power_of_2(n_cols))
         if INTERPRET:
             rows = 4 if block_n <= 64 else 1
             return dict(strategy=strategy, BLOCK_N=block_n, ROWS=rows, num_warps=1)
@@ -732,10 +732,10 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
         return dict(common, programs=max(1, min(n_rows, programs or int(per_sm * sms))))
     if splits is None:
         target = k["split_programs_per_sm"] * sms
-        splits = max(1, min(MAX_SPLITS, -(-target // n_rows), triton.cdiv(n_cols, tile)))
-    chunk = triton.cdiv(triton.cdiv(n_cols, splits), tile) * tile
-    splits = triton.cdiv(n_cols, chunk)
-    return dict(common, splits=splits, chunk=chunk, SPLITS=max(2, triton.next_power_of_2(splits)))
+        splits = max(1, min(MAX_SPLITS, -(-target // n_rows), cdiv(n_cols, tile)))
+    chunk = cdiv(cdiv(n_cols, splits), tile) * tile
+    splits = cdiv(n_cols, chunk)
+    return dict(common, splits=splits, chunk=chunk, SPLITS=max(2, next_power_of_2(splits)))
 
 
 def _policies(p):
@@ -836,7 +836,7 @@ def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, lo
     p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, x.element_size(), reread)
     scale_log2 = scale * LOG2E
     if p["strategy"] == "registers":
-        grid = (triton.cdiv(n_rows, p["ROWS"]),)
+        grid = (cdiv(n_rows, p["ROWS"]),)
         _softmax_fwd_in_registers[grid](
             x, mask_arg, y, n_rows, n_cols, L1, L2, *sx, *sm, scale_log2,
             LOG=log, MASK_KIND=kind, ROWS=p["ROWS"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
@@ -881,7 +881,7 @@ def softmax_backward(y, g, mask, lead_shape, m_strides, scale, log, out_dtype,
     reread = n_cols * (y.element_size() + g.element_size() + (mask.element_size() if mask is not None else 0))
     p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, y.element_size(), reread, backward=True)
     if p["strategy"] == "registers":
-        _softmax_bwd_in_registers[(triton.cdiv(n_rows, p["ROWS"]),)](
+        _softmax_bwd_in_registers[(cdiv(n_rows, p["ROWS"]),)](
             y, g, mask_arg, dx, n_rows, n_cols, L1, L2, *m_strides, scale,
             LOG=log, MASK_KIND=kind, ROWS=p["ROWS"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
         return dx

@@ -117,33 +117,51 @@ def check_attention_inputs(
     _check_tensor("q", q, rank, layout_q)
     _check_tensor("k", k, rank, layout_k)
     _check_tensor("v", v, rank, layout_k)
-
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q must be on a cpu or cuda device, got {q.device}")
-
     if not packed and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
             f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
         )
+    check_qkv_agree(q, k, v)
+    params = check_attention_scalars(q.shape[-1], dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap, deterministic=deterministic)
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, batch=packed_batch if packed else q.shape[0], nheads=q.shape[-2],
+                           device=q.device)
+    return params
+
+
+def check_qkv_agree(q, k, v, k_name: str = "k", v_name: str = "v") -> None:
+    """What q, k and v (already shape-checked one by one) must share: dtype, device, the
+    sequence / head axes of k and v, the head dimension, and nheads a multiple of nheads_k."""
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, {k_name} and {v_name} must share one dtype, got q {q.dtype}, {k_name} {k.dtype}, "
+                         f"{v_name} {v.dtype}")
+    device = q.device
+    if k.device != device or v.device != device:
+        raise ValueError(f"q, {k_name} and {v_name} must be on one device, got q {device}, {k_name} {k.device}, "
+                         f"{v_name} {v.device}")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q must be on a cpu or cuda device, got {device}")
     if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k and v must agree in all but the head dimension, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"{k_name} and {v_name} must agree in all but the head dimension, got {k_name} "
+                         f"{tuple(k.shape)}, {v_name} {tuple(v.shape)}")
     headdim = q.shape[-1]
     if k.shape[-1] != headdim:
-        raise ValueError(f"q and k must have the same head dimension, got {headdim} and {k.shape[-1]}")
+        raise ValueError(f"q and {k_name} must have the same head dimension, got {headdim} and {k.shape[-1]}")
     if v.shape[-1] != headdim:
-        raise ValueError(f"v must have the same head dimension as q ({headdim}), got {v.shape[-1]}")
+        raise ValueError(f"{v_name} must have the same head dimension as q ({headdim}), got {v.shape[-1]}")
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"head dimension must be between 1 and {MAX_HEADDIM}, got {headdim}")
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(
-            f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k}) (GQA/MQA)"
+            f"nheads of q ({nheads}) must be a multiple of nheads of {k_name}/{v_name} ({nheads_k}) (GQA/MQA)"
         )
 
+
+def check_attention_scalars(headdim: int, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, deterministic=False) -> AttentionParams:
+    """The scalar arguments, checked and normalised (``causal`` folded into the window)."""
     dropout_p = _check_scalar("dropout_p", dropout_p, float, "a float in [0, 1)")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -159,10 +177,6 @@ def check_attention_inputs(
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
     deterministic = _check_scalar("deterministic", deterministic, bool, "a bool")
-
-    if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, batch=packed_batch if packed else q.shape[0], nheads=nheads, device=q.device)
-
     return AttentionParams(
         softmax_scale=softmax_scale,
         window_left=left,
