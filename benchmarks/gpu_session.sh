@@ -39,7 +39,8 @@ for part in $parts; do
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
                  run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \
                    --caches 8192 32768 --impls flashtile flashtile_paged16 flashtile_paged256 sdpa_flash sdpa_cudnn ;;
-    tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --out "$RES/tune_decode.jsonl" ;;
+    tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --paged 0 16 --warps 4 \
+                   --stages 2 3 4 --extra programs_per_sm=1 programs_per_sm=2 --out "$RES/tune_decode.jsonl" ;;
     fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"
          run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
     ring) run ring 90 python3 -m torch.distributed.run --standalone --nproc_per_node=${RING_GPUS:-1} benchmarks/bench_ring.py \

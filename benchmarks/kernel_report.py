@@ -5,6 +5,7 @@ Triton compiles for an explicit target on any machine, and its wheel carries ``p
 tensor-core rate -- can be read here, before spending device time.  Example::
 
     python benchmarks/kernel_report.py dkdv --tiles 64,128,8,2 32,128,8,2 --headdim 128 --causal 0 1
+    python benchmarks/kernel_report.py decode --tiles 16,128,4,3 --causal 0 --kv-as-b 0 1
 
 prints, per configuration, ptxas's register count and spill bytes and the number of
 ``HGMMA`` (wgmma) and local-memory (``LDL``/``STL``) instructions in the SASS.
@@ -63,12 +64,27 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
                "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads": "i32", "group": "i32", "softmax_scale": "fp32",
                "max_seqlen_q": "i32"}
         consts = masks
+    elif kind == "decode":
+        from flashtile.kernels import decode as kd
+        fn = kd._decode_split
+        ints = ("stride_ab stride_qb stride_qn stride_qh stride_kb stride_kn stride_kh stride_vb stride_vn stride_vh "
+                "stride_bt seqlen_q nheads_k group chunk num_splits seqlen_k_all window_left window_right")
+        sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "O_PART": "*fp32", "LSE_PART": "*fp32",
+               "SEQLENS_K": "*i32", "CACHE_BATCH_IDX": "*i32", "BLOCK_TABLE": "*i32", "ALIBI": "*fp32",
+               **{name: "i32" for name in ints.split()},
+               "qk_scale": "fp32", "softcap_scale": "fp32", "softcap_log2": "fp32"}
+        # BLOCK_M: the GQA group (8 query heads) of one query row, padded to 16.
+        consts = {"HAS_SEQLENS": True, "headdim": hd, "HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False,
+                  "MASK_RIGHT": causal, "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "PAGED": kv_as_b,
+                  "PAGE_SIZE": 16 if kv_as_b else 1, "HAS_BATCH_IDX": False, "DOT_PRECISION": "tf32", "PDL": True}
     else:
-        raise ValueError(f"kind must be fwd, dkdv or dq, got {kind!r}")
+        raise ValueError(f"kind must be fwd, dkdv, dq or decode, got {kind!r}")
     # The signature must list every parameter, in any order, constexprs included.
     sig.update({name: "constexpr" for name in consts})
     # As at launch: pointers to fresh allocations are 16-byte aligned.
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "DK", "DV", "DQ")
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ("O", "DK", "DV", "DQ", "Q", "K", "V", "O_PART", "LSE_PART", "stride_qb", "stride_qn",
+                          "stride_kb", "stride_kn", "stride_vb", "stride_vn", "stride_qh", "stride_kh", "stride_vh")
              if name in sig}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
@@ -91,11 +107,11 @@ def report(kernel) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=("fwd", "dkdv", "dq"))
+    ap.add_argument("kind", choices=("fwd", "dkdv", "dq", "decode"))
     ap.add_argument("--tiles", nargs="+", default=["64,128,8,2"], help="BLOCK_M,BLOCK_N,warps,stages")
     ap.add_argument("--headdim", type=int, nargs="+", default=[128])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--kv-as-b", type=int, nargs="+", default=[0])
+    ap.add_argument("--kv-as-b", type=int, nargs="+", default=[0], help="(decode: a paged cache)")
     ap.add_argument("--softcap", type=int, nargs="+", default=[0])
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")

@@ -42,17 +42,21 @@ def main():
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="0 = the automatic choice")
+    ap.add_argument("--extra", nargs="+", default=[""],
+                    help='further knob settings to sweep, each "name=value,..." (e.g. programs_per_sm=1)')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch, cache, page in itertools.product(args.batches, args.caches, args.paged):
-        for bn, warps, stages, splits in itertools.product(args.block_n, args.warps, args.stages, args.splits):
+        for bn, warps, stages, splits, extra in itertools.product(args.block_n, args.warps, args.stages, args.splits,
+                                                                  args.extra):
             knob = "block_n_paged" if page else "block_n"
             # paged_wide_below_splits=0: the tile is the one asked for, not widened for few splits
-            os.environ[kd.TUNING_ENV] = f"{knob}={bn},warps={warps},stages={stages},paged_wide_below_splits=0"
+            os.environ[kd.TUNING_ENV] = (f"{knob}={bn},warps={warps},stages={stages},paged_wide_below_splits=0"
+                                         + (f",{extra}" if extra else ""))
             rec = dict(bench="decode_tune", batch=batch, seqlen_k=cache, page_size=page, block_n=bn, warps=warps,
-                       stages=stages, num_splits=splits)
+                       stages=stages, num_splits=splits, extra=extra)
             try:
                 rec["gbps_graph"] = gbps(batch, cache, page, splits, gen)
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is recorded

@@ -91,9 +91,9 @@ def _decode_split(
     Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI, stride_ab,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    seqlen_q, nheads_k, group, headdim, chunk, num_splits, seqlen_k_all,
+    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all,
     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
-    HAS_SEQLENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -120,8 +120,15 @@ def _decode_split(
     h = hk * group + rows // seqlen_q  # query head
     row_ok = rows < group * seqlen_q
     offs_d = tl.arange(0, HEAD_DIM)
+    # A constexpr head dim: when it is a power of two the loads carry no column mask, so they
+    # vectorise and the compiler can pipeline them (cp.async); a column mask against a runtime
+    # head dim left every K/V load scalar and unpipelined.
+    if headdim == HEAD_DIM:
+        d_ok = offs_d < HEAD_DIM  # folded away
+    else:
+        d_ok = offs_d < headdim
     q = tl.load(Q + b.to(tl.int64) * stride_qb + i[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < headdim), other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_ALIBI:
         slope_log2 = tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0)[:, None] * 1.4426950408889634
     else:
@@ -137,7 +144,7 @@ def _decode_split(
         key_ok = keys < seqlen_k
         k_rows = _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_kb, stride_kn, PAGED, PAGE_SIZE)
         v_rows = _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_vb, stride_vn, PAGED, PAGE_SIZE)
-        kv_mask = key_ok[:, None] & (offs_d[None, :] < headdim)
+        kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP or HAS_ALIBI:
@@ -272,9 +279,9 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
-        seqlen_q, nheads_k, group, d, chunk, num_splits, 0 if has_seqlens else seqlens_k,
+        seqlen_q, nheads_k, group, chunk, num_splits, 0 if has_seqlens else seqlens_k,
         softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"], mods["softcap_log2"],
-        HAS_SEQLENS=has_seqlens, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
