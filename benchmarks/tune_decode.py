@@ -52,8 +52,9 @@ def main():
         for bn, warps, stages, splits, extra in itertools.product(args.block_n, args.warps, args.stages, args.splits,
                                                                   args.extra):
             knob = "block_n_paged" if page else "block_n"
-            # paged_wide_below_splits=0: the tile is the one asked for, not widened for few splits
-            os.environ[kd.TUNING_ENV] = (f"{knob}={bn},warps={warps},stages={stages},paged_wide_below_splits=0"
+            # The tile is the one asked for, neither widened for few splits nor narrowed for short caches
+            os.environ[kd.TUNING_ENV] = (f"{knob}={bn},warps={warps},stages={stages},paged_wide_below_splits=0,"
+                                         "narrow_short_caches=0"
                                          + (f",{extra}" if extra else ""))
             rec = dict(bench="decode_tune", batch=batch, seqlen_k=cache, page_size=page, block_n=bn, warps=warps,
                        stages=stages, num_splits=splits, extra=extra)

@@ -156,6 +156,22 @@ def test_num_splits_fill_one_wave_with_long_enough_chunks(batch, capacity, want,
     assert kd.choose_num_splits(batch, 4, capacity, torch.device("cuda", 0), 128) == want
 
 
+@pytest.mark.parametrize("batch,capacity,paged,want", [
+    (1, 32768, False, (128, 32)),  # 128-key tiles, one program per SM: 32 splits x 4 KV heads
+    (8, 8192, False, (128, 4)),
+    (1, 8192, False, (64, 16)),  # a short cache: 64-key tiles for twice the splits
+    (1, 32768, True, (64, 64)),  # paged: 64-key tiles, two programs per SM
+    (8, 8192, True, (128, 8)),  # paged with few splits: widened to 128-key tiles
+])
+def test_launch_shape_rules(batch, capacity, paged, want, monkeypatch):
+    from flashtile.kernels import decode as kd
+
+    monkeypatch.setattr(kd, "sm_count", lambda index: 132)  # an H200
+    monkeypatch.setattr(kd, "INTERPRET", False)
+    monkeypatch.delenv(kd.TUNING_ENV, raising=False)
+    assert kd.launch_shape(batch, 4, capacity, torch.device("cuda", 0), paged, 128) == want
+
+
 def test_decode_tuning_environment_overrides_the_knobs(monkeypatch):
     from flashtile.kernels import decode as kd
 

@@ -40,11 +40,14 @@ from flashtile.kernels.masking import band_mask
 from flashtile.kernels.runtime import INTERPRET, cdiv, has_programmatic_launch, next_power_of_2, parse_tuning, sm_count
 
 # --- Launch knobs (H200 measurements: benchmarks/results/h200_session4/tune_decode.jsonl) --
-# Key tiles: 128 for a contiguous cache (batch 1, 32k: 3.0 TB/s against 2.9 with 64); a paged
-# cache computes an address per key row and takes 64, or 128 when there are fewer than
-# PAGED_WIDE_BELOW_SPLITS splits (batch 8, 32k, 16-token pages: 3.9 TB/s against 3.4; batch 1,
-# 64 splits: 2.5 against 2.1); head dims above 128 take 32.
+# Key tiles: 128 for a contiguous cache (batch 1, 32k: 3.0 TB/s against 2.9 with 64), but 64
+# when 128-key tiles would leave the split count capped by MIN_TILES_PER_SPLIT at under half
+# of what fills the GPU (batch 1, 8k: 1.39 TB/s against 1.17).  A paged cache computes an
+# address per key row and takes 64, or 128 when there are fewer than PAGED_WIDE_BELOW_SPLITS
+# splits (batch 8, 8k, 16-token pages: 3.2 TB/s against 2.9; batch 1, 32k: 2.5 against 2.1);
+# head dims above 128 take 32.  (H200, CUDA graph, session 5's tune_decode.jsonl.)
 BLOCK_N = 128
+NARROW_SHORT_CACHES = 1
 BLOCK_N_PAGED = 64
 PAGED_WIDE_BELOW_SPLITS = 16
 # 4 warps: 3-20 % above 8 in every measured case (batch 1 / 8, cache 8k / 32k, contiguous and
@@ -52,13 +55,17 @@ PAGED_WIDE_BELOW_SPLITS = 16
 WARPS = 4
 STAGES = 3
 # Splits: at most PROGRAMS_PER_SM programs per SM in one wave, each split keeping at least
-# MIN_TILES_PER_SPLIT key tiles (see choose_num_splits).
+# MIN_TILES_PER_SPLIT key tiles (see choose_num_splits).  A contiguous cache's 128-key tiles
+# pipeline three stages of K and V (~136 KB of shared memory), so one program fits per SM:
+# PROGRAMS_PER_SM_WIDE = 1 there (batch 8, 8k: 3.59 TB/s against 3.28 with 2).
 PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM_WIDE = 1
 MIN_TILES_PER_SPLIT = 8
 TUNING_ENV = "FLASHTILE_DECODE_TUNING"
-KNOBS = {"block_n": "BLOCK_N", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
+KNOBS = {"block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
          "warps": "WARPS", "stages": "STAGES",
-         "programs_per_sm": "PROGRAMS_PER_SM", "min_tiles_per_split": "MIN_TILES_PER_SPLIT"}
+         "programs_per_sm": "PROGRAMS_PER_SM", "programs_per_sm_wide": "PROGRAMS_PER_SM_WIDE",
+         "min_tiles_per_split": "MIN_TILES_PER_SPLIT"}
 
 
 def knobs() -> dict:
@@ -240,6 +247,37 @@ def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.de
     return max(1, min(fill, 64, capacity // (min_tiles * block_n)))
 
 
+def launch_shape(batch: int, nheads_k: int, capacity: int, device: torch.device, paged: bool, hd: int):
+    """``(block_n, num_splits)``: the key tile and the automatic split count (the rules and
+    their measurements are with the knobs at the top of this module)."""
+    knob = knobs()
+    if INTERPRET:
+        return 16, choose_num_splits(batch, nheads_k, capacity, device, 16)
+
+    def splits(block_n, wide):
+        per_sm = knob["programs_per_sm_wide"] if wide else knob["programs_per_sm"]
+        return choose_num_splits(batch, nheads_k, capacity, device, block_n, per_sm, knob["min_tiles_per_split"])
+
+    if hd > 128:
+        return 32, splits(32, False)
+    if paged:
+        block_n = knob["block_n_paged"]
+        num_splits = splits(block_n, False)
+        if block_n == 64 and num_splits < knob["paged_wide_below_splits"]:
+            # Few, long splits: wider tiles amortise the block-table reads over more rows.
+            block_n, num_splits = 128, splits(128, False)
+        return block_n, num_splits
+    block_n = knob["block_n"]
+    num_splits = splits(block_n, block_n >= 128)
+    if block_n >= 128 and knob["narrow_short_caches"]:
+        sms = sm_count(device.index or 0) if device.type == "cuda" else 1
+        fill = knob["programs_per_sm_wide"] * sms // max(1, batch * nheads_k)
+        if 2 * num_splits < fill:
+            # A short cache: narrower tiles allow twice the splits at the same tiles per split.
+            block_n, num_splits = 64, splits(64, False)
+    return block_n, num_splits
+
+
 def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
                     window_right, softcap, alibi_slopes, num_splits):
     """Launch the split kernel; returns (o_part fp32 (S, b, nq, h, d_pad), lse_part (S, b, h, nq)).
@@ -253,24 +291,18 @@ def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table
     hd = _padded_headdim(d)
     block_m = max(16, next_power_of_2(group * seqlen_q))
     paged = block_table is not None
-    knob = knobs()
-    block_n = 16 if INTERPRET else (32 if hd > 128 else knob["block_n_paged"] if paged else knob["block_n"])
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    block_n, auto_splits = launch_shape(batch, nheads_k, capacity, q.device, paged, hd)
     if num_splits <= 0:
-        num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n, knob["programs_per_sm"],
-                                       knob["min_tiles_per_split"])
-        if paged and block_n == 64 and num_splits < knob["paged_wide_below_splits"]:
-            # Few, long splits: wider tiles amortise the block-table reads over more rows.
-            block_n = 128
-            num_splits = choose_num_splits(batch, nheads_k, capacity, q.device, block_n, knob["programs_per_sm"],
-                                           knob["min_tiles_per_split"])
+        num_splits = auto_splits
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse_part)
     has_seqlens = isinstance(seqlens_k, torch.Tensor)
     placeholder = lse_part  # for pointer arguments the kernel does not read
+    knob = knobs()
     _decode_split[(batch * nheads_k, num_splits)](
         q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
