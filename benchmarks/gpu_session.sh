@@ -2,7 +2,8 @@
 # One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
 #   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax softmax_tests tune_softmax
-#                                                 features decode decode_host tune_decode kvcache_tests fp8
+#                                                 features decode decode_host merge_ab decode_repro
+#                                                 tune_decode kvcache_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
@@ -33,12 +34,17 @@ for part in $parts; do
                     --cols 16384 65536 262144 1048576 4194304 --configs "" "cooperative_max=0" \
                     "coop_warps=4" "coop_warps=4,coop_block=4096,coop_bwd_block=2048" "coop_warps=2,coop_block=4096" \
                     "coop_maxnreg=64" "coop_warps=4,coop_maxnreg=128" "in_register_max=8192,coop_warps=4" ;;
-    kvcache_tests) run kvcache_tests 90 python3 -m pytest tests/test_kvcache.py -m gpu -q -p no:cacheprovider -p no:warnings ;;
+    kvcache_tests) run kvcache_tests 90 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
                  run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \
                    --caches 8192 32768 --impls flashtile flashtile_paged16 flashtile_paged256 sdpa_flash sdpa_cudnn ;;
+    merge_ab) run merge_ab 150 python3 benchmarks/tune_decode.py --batches 1 8 32 --caches 1024 8192 32768 \
+                --paged 0 16 --block-n 0 --warps 4 --stages 3 --extra fused_merge=0 fused_merge=1 \
+                --out "$RES/merge_ab.jsonl" ;;
+    decode_repro) run decode_repro 90 env CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/tune_decode.py --batches 8 \
+                    --caches 32768 --paged 0 16 --block-n 64 128 --warps 4 --stages 2 3 ;;
     tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --paged 0 16 --warps 4 \
                    --stages 2 3 4 --extra programs_per_sm=1 programs_per_sm=2 --out "$RES/tune_decode.jsonl" ;;
     fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"

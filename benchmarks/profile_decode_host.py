@@ -3,8 +3,8 @@
 A decode step at batch 1 keeps the GPU busy for ~20 us, so whatever Python does per call
 shows directly in eager latency.  This script times, per call, in a loop whose GPU work is
 kept tiny (cache 1k) so the host is the bottleneck:
-  the whole ``flash_attn_with_kvcache``; the argument checks; ``decode_partials`` (allocations +
-  split-kernel launch); ``combine_splits``; a bare ``torch.empty``; cuDNN SDPA for comparison;
+  the whole ``flash_attn_with_kvcache``; the argument checks; ``kernels.decode.decode`` (allocations
+  and launches) with the merge fused and not; a bare ``torch.empty``; cuDNN SDPA for comparison;
 then prints a cProfile of the whole call.  ``--out FILE`` appends JSON lines.
 """
 
@@ -40,7 +40,9 @@ def main():
     ap.add_argument("--cache", type=int, default=1024)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from flashtile.kernels.decode import combine_splits, decode_partials
+    import os
+
+    from flashtile.kernels import decode as kd
     from flashtile.kvcache import _validate
     from flashtile.ops.validation import check_attention_scalars, check_qkv_agree
 
@@ -52,7 +54,13 @@ def main():
     vc = torch.randn_like(kc)
     seqlens = torch.full((batch,), args.cache, dtype=torch.int32, device=dev)
     scale = d ** -0.5
-    o_part, lse_part = decode_partials(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0)
+
+    def unfused():
+        os.environ[kd.TUNING_ENV] = "fused_merge=0"
+        try:
+            return kd.decode(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0)
+        finally:
+            del os.environ[kd.TUNING_ENV]
 
     def checks():
         _validate(q, kc, vc, None, None, seqlens, None, None)
@@ -64,8 +72,8 @@ def main():
         "flash_attn_with_kvcache_int_len": lambda: flashtile.flash_attn_with_kvcache(q, kc, vc,
                                                                                       cache_seqlens=args.cache),
         "checks": checks,
-        "decode_partials": lambda: decode_partials(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0),
-        "combine_splits": lambda: combine_splits(o_part, lse_part, d, q.dtype),
+        "decode_fused": lambda: kd.decode(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0),
+        "decode_unfused": unfused,
         "torch_empty": lambda: torch.empty((16, 1, 1, 32, 128), device=dev, dtype=torch.float32),
         "sdpa_cudnn": None,
     }

@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--caches", type=int, nargs="+", default=[32768])
     ap.add_argument("--paged", type=int, nargs="+", default=[0, 16, 256], help="page sizes (0 = contiguous)")
-    ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128], help="0 = the automatic choice")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     ap.add_argument("--splits", type=int, nargs="+", default=[0], help="0 = the automatic choice")
@@ -52,10 +52,10 @@ def main():
         for bn, warps, stages, splits, extra in itertools.product(args.block_n, args.warps, args.stages, args.splits,
                                                                   args.extra):
             knob = "block_n_paged" if page else "block_n"
-            # The tile is the one asked for, neither widened for few splits nor narrowed for short caches
-            os.environ[kd.TUNING_ENV] = (f"{knob}={bn},warps={warps},stages={stages},paged_wide_below_splits=0,"
-                                         "narrow_short_caches=0"
-                                         + (f",{extra}" if extra else ""))
+            # The tile is the one asked for, neither widened for few splits nor narrowed for short
+            # caches; block_n 0: the automatic choice.
+            tiles = f"{knob}={bn},paged_wide_below_splits=0,narrow_short_caches=0," if bn else ""
+            os.environ[kd.TUNING_ENV] = f"{tiles}warps={warps},stages={stages}" + (f",{extra}" if extra else "")
             rec = dict(bench="decode_tune", batch=batch, seqlen_k=cache, page_size=page, block_n=bn, warps=warps,
                        stages=stages, num_splits=splits, extra=extra)
             try:

@@ -93,11 +93,10 @@ def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, 
 
 def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
                    alibi_slopes, num_splits):
-    from flashtile.kernels.decode import combine_splits, decode_partials
+    from flashtile.kernels.decode import decode
 
-    o_part, lse_part = decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left,
-                                       right, softcap, alibi_slopes, num_splits)
-    return combine_splits(o_part, lse_part, q.shape[-1], q.dtype)
+    return decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
+                  alibi_slopes, num_splits)
 
 
 def flash_attn_with_kvcache(

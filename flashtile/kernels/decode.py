@@ -48,6 +48,9 @@ from flashtile.kernels.runtime import INTERPRET, cdiv, has_programmatic_launch, 
 # head dims above 128 take 32.  (H200, CUDA graph, session 5's tune_decode.jsonl.)
 BLOCK_N = 128
 NARROW_SHORT_CACHES = 1
+# One launch: the last split of each (sequence, KV head) merges the partials (0: a second,
+# programmatic-dependent-launch kernel merges them, as before).
+FUSED_MERGE = 1
 BLOCK_N_PAGED = 64
 PAGED_WIDE_BELOW_SPLITS = 16
 # 4 warps: 3-20 % above 8 in every measured case (batch 1 / 8, cache 8k / 32k, contiguous and
@@ -62,7 +65,7 @@ PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_WIDE = 1
 MIN_TILES_PER_SPLIT = 8
 TUNING_ENV = "FLASHTILE_DECODE_TUNING"
-KNOBS = {"block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
+KNOBS = {"fused_merge": "FUSED_MERGE", "block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
          "warps": "WARPS", "stages": "STAGES",
          "programs_per_sm": "PROGRAMS_PER_SM", "programs_per_sm_wide": "PROGRAMS_PER_SM_WIDE",
          "min_tiles_per_split": "MIN_TILES_PER_SPLIT"}
@@ -96,6 +99,7 @@ def _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_kb, stride_kn, 
 @triton.jit
 def _decode_split(
     Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI, stride_ab,
+    ARRIVED, OUT, LSE, stride_ob, stride_on, stride_oh,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all,
@@ -103,8 +107,12 @@ def _decode_split(
     HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    """One (sequence, KV head, split): the split's keys against every query row of the head's
+    GQA group.  With ``MERGE`` the program that finishes its (sequence, KV head) last also merges
+    the partials into ``OUT`` / ``LSE`` (one launch in all); with one split, the program writes
+    ``OUT`` directly.  Otherwise the partials are left for :func:`_combine_splits`."""
     if PDL:
         # The combine kernel may be launched now; it waits for this grid's results itself.
         gdc_launch_dependents()
@@ -173,12 +181,54 @@ def _decode_split(
     empty = l_i == 0.0
     out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    # Partials: O_PART (splits, batch, seqlen_q, nheads, HEAD_DIM), LSE_PART (splits, batch, nheads, seqlen_q).
     nheads = nheads_k * group
-    part = split * (tl.num_programs(0) // nheads_k) + b  # (split, batch) flattened
-    o_off = ((part.to(tl.int64) * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :]
-    tl.store(O_PART + o_off, out, mask=row_ok[:, None])
-    tl.store(LSE_PART + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
+    batch = tl.num_programs(0) // nheads_k
+    out_off = b.to(tl.int64) * stride_ob + i[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :]
+    lse_off = (b.to(tl.int64) * nheads + h) * seqlen_q + i
+    if MERGE and num_splits == 1:
+        tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + lse_off, lse, mask=row_ok)
+    else:
+        # Partials: O_PART (splits, batch, seqlen_q, nheads, HEAD_DIM), LSE_PART (splits, batch, nheads, seqlen_q).
+        part = split * batch + b  # (split, batch) flattened
+        o_off = ((part.to(tl.int64) * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :]
+        tl.store(O_PART + o_off, out, mask=row_ok[:, None])
+        tl.store(LSE_PART + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
+        if MERGE:
+            # The last of the (sequence, KV head)'s splits to arrive merges them all: its
+            # acquire sees every other split's partials, published by their release.
+            tl.debug_barrier()  # all threads' partial stores happen before the release below
+            ticket = tl.atomic_add(ARRIVED + pid, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                tl.debug_barrier()
+                _merge_partials(O_PART, LSE_PART, OUT + out_off, LSE + lse_off, b, i, h, row_ok, d_ok, offs_d,
+                                batch, nheads, seqlen_q, num_splits, BLOCK_M, HEAD_DIM, BLOCK_S)
+
+
+@triton.jit
+def _merge_partials(O_PART, LSE_PART, out_ptrs, lse_ptrs, b, i, h, row_ok, d_ok, offs_d, batch, nheads, seqlen_q,
+                    num_splits, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out = sum_s w_s * o_s, w_s = exp(lse_s - lse), for the rows (i, h) of one sequence b:
+    the rule of :func:`_combine_splits`, run by one program over its whole row tile."""
+    s = tl.arange(0, BLOCK_S).to(tl.int64)
+    lse_rows = (h * seqlen_q + i)[None, :]
+    lse_s = tl.load(LSE_PART + ((s[:, None] * batch + b) * nheads) * seqlen_q + lse_rows,
+                    mask=(s[:, None] < num_splits) & row_ok[None, :], other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    # Every split empty (no visible key): keep exp() finite and give zeros with LSE -inf.
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_s - m_safe[None, :]), 0)
+    empty = total == 0.0
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for sp in tl.range(0, num_splits, num_stages=8):  # 7 partials in flight (L2-resident)
+        part = (sp * batch + b).to(tl.int64)
+        w = tl.exp(tl.load(LSE_PART + (part * nheads + h) * seqlen_q + i, mask=row_ok, other=float("-inf")) - m_safe)
+        o = tl.load(O_PART + ((part * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        acc += w[:, None] * o
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptrs, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=row_ok)
 
 
 @triton.jit
@@ -217,20 +267,17 @@ def _combine_splits(
     tl.store(LSE + (b.to(tl.int64) * nheads + h) * seqlen_q + i, lse)
 
 
-def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, headdim: int, out_dtype: torch.dtype):
-    """Merge ``o_part (S, b, nq, h, d_pad)`` fp32 and ``lse_part (S, b, h, nq)`` into
-    ``(out (b, nq, h, headdim) in out_dtype, lse fp32 (b, h, nq))`` in one launch."""
+def _launch_combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    """Merge ``o_part (S, b, nq, h, d_pad)`` fp32 and ``lse_part (S, b, h, nq)`` into ``out
+    (b, nq, h, d)`` and ``lse (b, h, nq)`` in one launch (the unfused path)."""
     num_splits, batch, seqlen_q, nheads, hd = o_part.shape
     pdl = o_part.is_cuda and has_programmatic_launch(o_part.device.index or 0)
-    out = torch.empty((batch, seqlen_q, nheads, headdim), dtype=out_dtype, device=o_part.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=o_part.device)
     _combine_splits[(batch * seqlen_q * nheads,)](
-        o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, headdim,
+        o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, out.shape[-1],
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
         num_warps=1 if INTERPRET else 4,
     )
-    return out, lse
 
 
 def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.device, block_n: int,
@@ -278,46 +325,68 @@ def launch_shape(batch: int, nheads_k: int, capacity: int, device: torch.device,
     return block_n, num_splits
 
 
-def decode_partials(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left,
-                    window_right, softcap, alibi_slopes, num_splits):
-    """Launch the split kernel; returns (o_part fp32 (S, b, nq, h, d_pad), lse_part (S, b, h, nq)).
+def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
+           softcap, alibi_slopes, num_splits):
+    """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
 
     ``seqlens_k``: int32 ``(batch,)`` valid cache lengths, or one int for every sequence (no
     tensor to fill: a decoding step is short enough that one launch fewer shows).
-    The padded head dim stays in ``o_part``: :func:`combine_splits` drops it when writing."""
+    With the ``fused_merge`` knob (the default) it is one launch: the last split of each
+    (sequence, KV head) to finish merges the partials; otherwise a second kernel does."""
+    batch, seqlen_q, nheads, d = q.shape
+    nheads_k = k_cache.shape[2]
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    hd = _padded_headdim(d)
+    block_n, auto_splits = launch_shape(batch, nheads_k, capacity, q.device, paged, hd)
+    num_splits = num_splits if num_splits > 0 else auto_splits
+    knob = knobs()
+    out = torch.empty((batch, seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    merge = bool(knob["fused_merge"])
+    if merge and num_splits == 1:
+        o_part = lse_part = arrived = lse  # unused: the program writes out and lse itself
+    else:
+        o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        arrived = torch.zeros(batch * nheads_k, dtype=torch.int32, device=q.device) if merge else lse
+    _launch_split(q, k_cache, v_cache, o_part, lse_part, arrived, out, lse, seqlens_k, cache_batch_idx, block_table,
+                  softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, block_n, merge, knob)
+    if not merge:
+        _launch_combine(o_part, lse_part, out, lse)
+    return out, lse
+
+
+def _launch_split(q, k_cache, v_cache, o_part, lse_part, arrived, out, lse, seqlens_k, cache_batch_idx, block_table,
+                  softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, block_n, merge, knob):
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
     hd = _padded_headdim(d)
-    block_m = max(16, next_power_of_2(group * seqlen_q))
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    block_n, auto_splits = launch_shape(batch, nheads_k, capacity, q.device, paged, hd)
-    if num_splits <= 0:
-        num_splits = auto_splits
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
-    o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse_part)
+    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     has_seqlens = isinstance(seqlens_k, torch.Tensor)
-    placeholder = lse_part  # for pointer arguments the kernel does not read
-    knob = knobs()
+    placeholder = lse  # for pointer arguments the kernel does not read
+    pdl = not merge and q.is_cuda and has_programmatic_launch(q.device.index or 0)
     _decode_split[(batch * nheads_k, num_splits)](
         q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder, mods["alibi"], mods["stride_ab"],
+        arrived, out, lse, out.stride(0), out.stride(1), out.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
         seqlen_q, nheads_k, group, chunk, num_splits, 0 if has_seqlens else seqlens_k,
         softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"], mods["softcap_log2"],
-        HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n,
-        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=max(16, next_power_of_2(group * seqlen_q)),
+        BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), PDL=q.is_cuda and has_programmatic_launch(q.device.index or 0),
+        DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, MERGE=merge, BLOCK_S=max(2, next_power_of_2(num_splits)),
         num_warps=4 if INTERPRET else knob["warps"], num_stages=1 if INTERPRET else knob["stages"],
     )
-    return o_part, lse_part
