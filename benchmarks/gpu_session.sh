@@ -2,7 +2,7 @@
 # One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
 #   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax softmax_tests tune_softmax
-#                                                 features decode decode_host merge_ab decode_repro
+#                                                 features decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -40,11 +40,9 @@ for part in $parts; do
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
                  run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \
                    --caches 8192 32768 --impls flashtile flashtile_paged16 flashtile_paged256 sdpa_flash sdpa_cudnn ;;
-    merge_ab) run merge_ab 150 python3 benchmarks/tune_decode.py --batches 1 8 32 --caches 1024 8192 32768 \
-                --paged 0 16 --block-n 0 --warps 4 --stages 3 --extra fused_merge=0 fused_merge=1 \
-                --out "$RES/merge_ab.jsonl" ;;
-    decode_repro) run decode_repro 90 env CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/tune_decode.py --batches 8 \
-                    --caches 32768 --paged 0 16 --block-n 64 128 --warps 4 --stages 2 3 ;;
+    decode_iam) for pdl in 1 0; do  # the sweep that hit "illegal memory access" (sessions 4, 5), launches blocking
+                  run decode_iam_pdl$pdl 100 env CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/tune_decode.py --batches 1 8 32 \
+                    --caches 1024 8192 32768 --paged 0 16 --block-n 0 --warps 4 --stages 3 --extra pdl=$pdl; done ;;
     tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --paged 0 16 --warps 4 \
                    --stages 2 3 4 --extra programs_per_sm=1 programs_per_sm=2 --out "$RES/tune_decode.jsonl" ;;
     fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"

@@ -4,7 +4,7 @@ A decode step at batch 1 keeps the GPU busy for ~20 us, so whatever Python does 
 shows directly in eager latency.  This script times, per call, in a loop whose GPU work is
 kept tiny (cache 1k) so the host is the bottleneck:
   the whole ``flash_attn_with_kvcache``; the argument checks; ``kernels.decode.decode`` (allocations
-  and launches) with the merge fused and not; a bare ``torch.empty``; cuDNN SDPA for comparison;
+  and launches) with and without programmatic dependent launch; a bare ``torch.empty``; cuDNN SDPA for comparison;
 then prints a cProfile of the whole call.  ``--out FILE`` appends JSON lines.
 """
 
@@ -55,8 +55,8 @@ def main():
     seqlens = torch.full((batch,), args.cache, dtype=torch.int32, device=dev)
     scale = d ** -0.5
 
-    def unfused():
-        os.environ[kd.TUNING_ENV] = "fused_merge=0"
+    def no_pdl():
+        os.environ[kd.TUNING_ENV] = "pdl=0"
         try:
             return kd.decode(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0)
         finally:
@@ -72,8 +72,8 @@ def main():
         "flash_attn_with_kvcache_int_len": lambda: flashtile.flash_attn_with_kvcache(q, kc, vc,
                                                                                       cache_seqlens=args.cache),
         "checks": checks,
-        "decode_fused": lambda: kd.decode(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0),
-        "decode_unfused": unfused,
+        "decode": lambda: kd.decode(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0),
+        "decode_no_pdl": no_pdl,
         "torch_empty": lambda: torch.empty((16, 1, 1, 32, 128), device=dev, dtype=torch.float32),
         "sdpa_cudnn": None,
     }

@@ -11,6 +11,7 @@ import argparse
 import itertools
 import json
 import os
+import traceback
 
 import torch
 import triton
@@ -62,6 +63,7 @@ def main():
                 rec["gbps_graph"] = gbps(batch, cache, page, splits, gen)
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is recorded
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                traceback.print_exc()
             rows.append(rec)
             print(json.dumps(rec), flush=True)
     os.environ.pop(kd.TUNING_ENV, None)

@@ -123,22 +123,6 @@ def test_split_kernel_matches_reference_for_any_num_splits(page_size, seqlen_q, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("splits", [1, 4])
-def test_merge_in_the_split_kernel_matches_the_combine_kernel(splits, monkeypatch):
-    from flashtile.kernels import decode as kd
-
-    q, kc, vc, table = _case(2, 3, 8, 2, 40, 80, 16, seed=13, device=DEVICE)
-    lengths = torch.tensor([0, 77], dtype=torch.int32, device=DEVICE)
-    scale = 40 ** -0.5
-    fused = kvcache._attend_triton(q, kc, vc, lengths, None, table, scale, -1, 0, 0.0, None, splits)
-    monkeypatch.setenv(kd.TUNING_ENV, "fused_merge=0")
-    separate = kvcache._attend_triton(q, kc, vc, lengths, None, table, scale, -1, 0, 0.0, None, splits)
-    torch.testing.assert_close(fused[0], separate[0], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(fused[1], separate[1], atol=1e-6, rtol=1e-6)
-    _check(fused[0], fused[1], q, kc, vc, table, lengths.tolist(), causal=True)
-
-
-@needs_kernels
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_split_kernel_takes_one_int_length_for_every_sequence(page_size):
     q, kc, vc, table = _case(2, 1, 4, 2, 32, 64, page_size, seed=12, device=DEVICE)

@@ -48,9 +48,8 @@ from flashtile.kernels.runtime import INTERPRET, cdiv, has_programmatic_launch, 
 # head dims above 128 take 32.  (H200, CUDA graph, session 5's tune_decode.jsonl.)
 BLOCK_N = 128
 NARROW_SHORT_CACHES = 1
-# One launch: the last split of each (sequence, KV head) merges the partials (0: a second,
-# programmatic-dependent-launch kernel merges them, as before).
-FUSED_MERGE = 1
+# Programmatic dependent launch of the combine kernel on Hopper (0: an ordinary launch).
+PDL = 1
 BLOCK_N_PAGED = 64
 PAGED_WIDE_BELOW_SPLITS = 16
 # 4 warps: 3-20 % above 8 in every measured case (batch 1 / 8, cache 8k / 32k, contiguous and
@@ -65,7 +64,7 @@ PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_WIDE = 1
 MIN_TILES_PER_SPLIT = 8
 TUNING_ENV = "FLASHTILE_DECODE_TUNING"
-KNOBS = {"fused_merge": "FUSED_MERGE", "block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
+KNOBS = {"pdl": "PDL", "block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
          "warps": "WARPS", "stages": "STAGES",
          "programs_per_sm": "PROGRAMS_PER_SM", "programs_per_sm_wide": "PROGRAMS_PER_SM_WIDE",
          "min_tiles_per_split": "MIN_TILES_PER_SPLIT"}
@@ -74,16 +73,15 @@ KNOBS = {"fused_merge": "FUSED_MERGE", "block_n": "BLOCK_N", "narrow_short_cache
 def knobs() -> dict:
     """The knobs in force: the module constants, overridden by ``FLASHTILE_DECODE_TUNING``
     (``"block_n=64,warps=4"``; benchmarks/tune_decode.py sweeps them on a GPU)."""
-    return _knobs(os.environ.get(TUNING_ENV, ""), *(globals()[const] for const in KNOBS.values()))
+    return _knobs(os.environ.get(TUNING_ENV, ""))
 
 
 @functools.lru_cache(maxsize=8)
-def _knobs(env_text: str, *defaults) -> dict:
-    # Cached on the override text and the constants: the lookup runs on every decoding step.
-    current = dict(zip(KNOBS, defaults))
+def _knobs(env_text: str) -> dict:
+    # Cached on the override text: the lookup runs on every decoding step.
+    current = {name: globals()[const] for name, const in KNOBS.items()}
     current.update(parse_tuning(TUNING_ENV, env_text, tuple(KNOBS)))
     return types.MappingProxyType(current)  # shared between calls: read-only
-
 
 
 @triton.jit
@@ -99,7 +97,7 @@ def _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_kb, stride_kn, 
 @triton.jit
 def _decode_split(
     Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI, stride_ab,
-    ARRIVED, OUT, LSE, stride_ob, stride_on, stride_oh,
+    OUT, LSE, stride_ob, stride_on, stride_oh,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all,
@@ -107,12 +105,11 @@ def _decode_split(
     HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """One (sequence, KV head, split): the split's keys against every query row of the head's
-    GQA group.  With ``MERGE`` the program that finishes its (sequence, KV head) last also merges
-    the partials into ``OUT`` / ``LSE`` (one launch in all); with one split, the program writes
-    ``OUT`` directly.  Otherwise the partials are left for :func:`_combine_splits`."""
+    GQA group.  With ``DIRECT`` (one split) the program writes ``OUT`` / ``LSE`` itself;
+    otherwise it leaves a partial output and LSE for :func:`_combine_splits`."""
     if PDL:
         # The combine kernel may be launched now; it waits for this grid's results itself.
         gdc_launch_dependents()
@@ -185,7 +182,8 @@ def _decode_split(
     batch = tl.num_programs(0) // nheads_k
     out_off = b.to(tl.int64) * stride_ob + i[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :]
     lse_off = (b.to(tl.int64) * nheads + h) * seqlen_q + i
-    if MERGE and num_splits == 1:
+    if DIRECT:
+        # One split: this program's result is final.
         tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE + lse_off, lse, mask=row_ok)
     else:
@@ -194,41 +192,6 @@ def _decode_split(
         o_off = ((part.to(tl.int64) * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :]
         tl.store(O_PART + o_off, out, mask=row_ok[:, None])
         tl.store(LSE_PART + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
-        if MERGE:
-            # The last of the (sequence, KV head)'s splits to arrive merges them all: its
-            # acquire sees every other split's partials, published by their release.
-            tl.debug_barrier()  # all threads' partial stores happen before the release below
-            ticket = tl.atomic_add(ARRIVED + pid, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                tl.debug_barrier()
-                _merge_partials(O_PART, LSE_PART, OUT + out_off, LSE + lse_off, b, i, h, row_ok, d_ok, offs_d,
-                                batch, nheads, seqlen_q, num_splits, BLOCK_M, HEAD_DIM, BLOCK_S)
-
-
-@triton.jit
-def _merge_partials(O_PART, LSE_PART, out_ptrs, lse_ptrs, b, i, h, row_ok, d_ok, offs_d, batch, nheads, seqlen_q,
-                    num_splits, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    """out = sum_s w_s * o_s, w_s = exp(lse_s - lse), for the rows (i, h) of one sequence b:
-    the rule of :func:`_combine_splits`, run by one program over its whole row tile."""
-    s = tl.arange(0, BLOCK_S).to(tl.int64)
-    lse_rows = (h * seqlen_q + i)[None, :]
-    lse_s = tl.load(LSE_PART + ((s[:, None] * batch + b) * nheads) * seqlen_q + lse_rows,
-                    mask=(s[:, None] < num_splits) & row_ok[None, :], other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    # Every split empty (no visible key): keep exp() finite and give zeros with LSE -inf.
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_s - m_safe[None, :]), 0)
-    empty = total == 0.0
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for sp in tl.range(0, num_splits, num_stages=8):  # 7 partials in flight (L2-resident)
-        part = (sp * batch + b).to(tl.int64)
-        w = tl.exp(tl.load(LSE_PART + (part * nheads + h) * seqlen_q + i, mask=row_ok, other=float("-inf")) - m_safe)
-        o = tl.load(O_PART + ((part * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        acc += w[:, None] * o
-    out = acc / tl.where(empty, 1.0, total)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptrs, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total))), mask=row_ok)
 
 
 @triton.jit
@@ -267,19 +230,6 @@ def _combine_splits(
     tl.store(LSE + (b.to(tl.int64) * nheads + h) * seqlen_q + i, lse)
 
 
-def _launch_combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """Merge ``o_part (S, b, nq, h, d_pad)`` fp32 and ``lse_part (S, b, h, nq)`` into ``out
-    (b, nq, h, d)`` and ``lse (b, h, nq)`` in one launch (the unfused path)."""
-    num_splits, batch, seqlen_q, nheads, hd = o_part.shape
-    pdl = o_part.is_cuda and has_programmatic_launch(o_part.device.index or 0)
-    _combine_splits[(batch * seqlen_q * nheads,)](
-        o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, out.shape[-1],
-        out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
-        num_warps=1 if INTERPRET else 4,
-    )
-
-
 def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.device, block_n: int,
                       programs_per_sm: int = PROGRAMS_PER_SM, min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
     """At most ``programs_per_sm`` programs per SM in one wave, each split keeping at least
@@ -294,10 +244,11 @@ def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.de
     return max(1, min(fill, 64, capacity // (min_tiles * block_n)))
 
 
-def launch_shape(batch: int, nheads_k: int, capacity: int, device: torch.device, paged: bool, hd: int):
+def launch_shape(batch: int, nheads_k: int, capacity: int, device: torch.device, paged: bool, hd: int,
+                 knob=None):
     """``(block_n, num_splits)``: the key tile and the automatic split count (the rules and
     their measurements are with the knobs at the top of this module)."""
-    knob = knobs()
+    knob = knob or knobs()
     if INTERPRET:
         return 16, choose_num_splits(batch, nheads_k, capacity, device, 16)
 
@@ -330,53 +281,38 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
 
     ``seqlens_k``: int32 ``(batch,)`` valid cache lengths, or one int for every sequence (no
-    tensor to fill: a decoding step is short enough that one launch fewer shows).
-    With the ``fused_merge`` knob (the default) it is one launch: the last split of each
-    (sequence, KV head) to finish merges the partials; otherwise a second kernel does."""
+    tensor to fill: a decoding step is short enough that one launch fewer shows).  One split
+    is one launch; more add the combine kernel, launched programmatically dependent on Hopper.
+    (Merging inside the split kernel -- the last split of each (sequence, KV head) to finish
+    merging them all -- measured slower: batch 1, 32k, 32 splits: 2.4 TB/s against 3.1.)"""
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     hd = _padded_headdim(d)
-    block_n, auto_splits = launch_shape(batch, nheads_k, capacity, q.device, paged, hd)
-    num_splits = num_splits if num_splits > 0 else auto_splits
     knob = knobs()
+    block_n, auto_splits = launch_shape(batch, nheads_k, capacity, q.device, paged, hd, knob)
+    num_splits = num_splits if num_splits > 0 else auto_splits
     out = torch.empty((batch, seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    merge = bool(knob["fused_merge"])
-    if merge and num_splits == 1:
-        o_part = lse_part = arrived = lse  # unused: the program writes out and lse itself
+    direct = num_splits == 1
+    if direct:
+        o_part = lse_part = lse  # unused: the program writes out and lse itself
     else:
         o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-        arrived = torch.zeros(batch * nheads_k, dtype=torch.int32, device=q.device) if merge else lse
-    _launch_split(q, k_cache, v_cache, o_part, lse_part, arrived, out, lse, seqlens_k, cache_batch_idx, block_table,
-                  softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, block_n, merge, knob)
-    if not merge:
-        _launch_combine(o_part, lse_part, out, lse)
-    return out, lse
-
-
-def _launch_split(q, k_cache, v_cache, o_part, lse_part, arrived, out, lse, seqlens_k, cache_batch_idx, block_table,
-                  softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, block_n, merge, knob):
-    batch, seqlen_q, nheads, d = q.shape
-    nheads_k = k_cache.shape[2]
+    pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
     group = nheads // nheads_k
-    hd = _padded_headdim(d)
-    paged = block_table is not None
-    page_size = k_cache.shape[1] if paged else 1
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     has_seqlens = isinstance(seqlens_k, torch.Tensor)
     placeholder = lse  # for pointer arguments the kernel does not read
-    pdl = not merge and q.is_cuda and has_programmatic_launch(q.device.index or 0)
     _decode_split[(batch * nheads_k, num_splits)](
         q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder, mods["alibi"], mods["stride_ab"],
-        arrived, out, lse, out.stride(0), out.stride(1), out.stride(2),
+        out, lse, out.stride(0), out.stride(1), out.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -387,6 +323,14 @@ def _launch_split(q, k_cache, v_cache, o_part, lse_part, arrived, out, lse, seql
         BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, MERGE=merge, BLOCK_S=max(2, next_power_of_2(num_splits)),
+        DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, DIRECT=direct,
         num_warps=4 if INTERPRET else knob["warps"], num_stages=1 if INTERPRET else knob["stages"],
     )
+    if not direct:
+        _combine_splits[(batch * seqlen_q * nheads,)](
+            o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, d,
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
+            num_warps=1 if INTERPRET else 4,
+        )
+    return out, lse
