@@ -34,7 +34,7 @@ for part in $parts; do
                     --cols 16384 65536 262144 1048576 4194304 --configs "" "cooperative_max=0" \
                     "coop_warps=4" "coop_warps=4,coop_block=4096,coop_bwd_block=2048" "coop_warps=2,coop_block=4096" \
                     "coop_maxnreg=64" "coop_warps=4,coop_maxnreg=128" "in_register_max=8192,coop_warps=4" ;;
-    kvcache_tests) run kvcache_tests 90 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
+    kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
