@@ -249,3 +249,38 @@ def test_gpu_decode_matches_reference(page_size, dtype):
     # One int length for every sequence: passed to the kernel as it is.
     out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3000, block_table=table, return_lse=True)
     _check(out, lse, q, kc, vc, table, [3000] * 4, causal=False, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_decode_step_replays_in_a_cuda_graph(page_size):
+    """A decode step with an append, captured once and replayed as the lengths grow: the
+    lengths are read on the device, so the replay is exact with no re-capture."""
+    q, kc, vc, table = _case(2, 1, 8, 2, 128, 2048, page_size, seed=14, dtype=torch.bfloat16, device="cuda")
+    knew = torch.randn(2, 1, 2, 128, generator=_gen(15)).to("cuda", torch.bfloat16)
+    vnew = torch.randn(2, 1, 2, 128, generator=_gen(16)).to("cuda", torch.bfloat16)
+    seqlens = torch.tensor([5, 700], dtype=torch.int32, device="cuda")
+    kc0, vc0 = kc.clone(), vc.clone()
+
+    def step():
+        return flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, block_table=table,
+                                                 causal=True, return_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for lengths in ([5, 700], [6, 1500], [2046, 0]):
+        kc.copy_(kc0), vc.copy_(vc0)
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = flashtile.flash_attn_with_kvcache(q, kc0.clone(), vc0.clone(), knew, vnew, cache_seqlens=seqlens,
+                                                     block_table=table, causal=True, return_lse=True)
+        torch.testing.assert_close(out, expected[0], atol=0, rtol=0)
+        torch.testing.assert_close(lse, expected[1], atol=0, rtol=0)
+        _check(out, lse, q, kc, vc, table, [n + 1 for n in lengths], causal=True, atol=2e-2)
