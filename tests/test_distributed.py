@@ -198,6 +198,24 @@ def test_world_4_matches_single_process():
     _spawn(_run_cases, 4, WORLD_4_CASES)
 
 
+def _run_cases_on_triton_kernels(rank, world, tmp, cases):
+    """As ``_run_cases``, but every attention call goes to the Triton kernels (in the
+    interpreter, on these CPU tensors) instead of the PyTorch CPU path."""
+    from flashtile.kernels import attention as triton_attention
+    from flashtile.ops import attention as ops
+
+    ops._backend = lambda t: triton_attention
+    _run_cases(rank, world, tmp, cases)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter runs the kernels here")
+def test_world_2_on_the_triton_kernels():
+    """The GPU kernels' path through a ring: zigzag steps hand the kernels views of half a
+    shard (a non-contiguous LSE), which the CPU path takes in its stride."""
+    _spawn(_run_cases_on_triton_kernels, 2, [_case("dense", True, True, nheads_k=2), _case("dense", False, False),
+                                             _case("varlen", True, True, nheads_k=2)])
+
+
 # ----------------------------------------------------------------------------------------
 # A rank that raises must not hang the others
 # ----------------------------------------------------------------------------------------

@@ -692,6 +692,10 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype, window_right >= 0)
     q_, k_, v_, do_ = (layout.prepare(t) for t in (q, k, v, dout))
     nheads, nheads_k, batch = layout.nheads, layout.nheads_k, layout.batch
+    # The kernels address LSE-shaped tensors with the layout's contiguous strides; a view
+    # (ring attention passes the back half of each row's LSE) is copied first.
+    lse = lse.contiguous()
+    dlse = dlse.contiguous() if dlse is not None else None
     seq = layout.seq_args(lse)
 
     delta = torch.empty_like(lse)

@@ -121,6 +121,24 @@ def test_lse_gradient():
         torch.testing.assert_close(got.double(), r, atol=2e-5, rtol=1e-4)
 
 
+@needs_kernels
+def test_backward_takes_views_of_a_longer_sequence():
+    """Ring attention's zigzag steps pass the back half of a shard: q, out, dout, LSE and its
+    gradient as narrowed views (the LSE view is not contiguous).  The gradients must equal
+    those from contiguous copies."""
+    q, k, v = random_qkv(1, 64, 64, 2, 1, 32, device=DEVICE)
+    out, lse = ka.attention_forward(q, k, v, 0.2, -1, -1)
+    dout, dlse = random_like(out, seed=5), random_like(lse, seed=6)
+    half = lambda x, dim: x.narrow(dim, 32, 32)  # noqa: E731
+    views = (half(dout, 1), half(q, 1), k, v, half(out, 1), half(lse, 2), half(dlse, 2))
+    assert not views[5].is_contiguous()
+    got = ka.attention_backward(*views[:6], 0.2, -1, -1, dlse=views[6])
+    copies = [t.contiguous() for t in views]
+    want = ka.attention_backward(*copies[:6], 0.2, -1, -1, dlse=copies[6])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------
 # GPU only
 # ----------------------------------------------------------------------------------------
