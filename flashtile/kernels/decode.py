@@ -39,17 +39,15 @@ from flashtile.kernels.attention import (
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.runtime import INTERPRET, cdiv, has_programmatic_launch, next_power_of_2, parse_tuning, sm_count
 
-# --- Launch knobs (H200 measurements: benchmarks/results/h200_session4/tune_decode.jsonl) --
+# --- Launch knobs (H200 measurements: benchmarks/results/h200_session4/ and h200_session5/) --
 # Key tiles: 128 for a contiguous cache (batch 1, 32k: 3.0 TB/s against 2.9 with 64), but 64
 # when 128-key tiles would leave the split count capped by MIN_TILES_PER_SPLIT at under half
-# of what fills the GPU (batch 1, 8k: 1.39 TB/s against 1.17).  A paged cache computes an
-# address per key row and takes 64, or 128 when there are fewer than PAGED_WIDE_BELOW_SPLITS
-# splits (batch 8, 8k, 16-token pages: 3.2 TB/s against 2.9; batch 1, 32k: 2.5 against 2.1);
-# head dims above 128 take 32.  (H200, CUDA graph, session 5's tune_decode.jsonl.)
+# of what fills the GPU (NARROW_SHORT_CACHES; batch 1, 8k: 1.39 TB/s against 1.17).  A paged
+# cache computes an address per key row and takes 64, or 128 when there are fewer than
+# PAGED_WIDE_BELOW_SPLITS splits (batch 8, 8k, 16-token pages: 3.2 TB/s against 2.9; batch 1,
+# 32k: 2.5 against 2.1); head dims above 128 take 32.  (CUDA graph, session 5's tune_decode.jsonl.)
 BLOCK_N = 128
 NARROW_SHORT_CACHES = 1
-# Programmatic dependent launch of the combine kernel on Hopper (0: an ordinary launch).
-PDL = 1
 BLOCK_N_PAGED = 64
 PAGED_WIDE_BELOW_SPLITS = 16
 # 4 warps: 3-20 % above 8 in every measured case (batch 1 / 8, cache 8k / 32k, contiguous and
@@ -63,11 +61,13 @@ STAGES = 3
 PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_WIDE = 1
 MIN_TILES_PER_SPLIT = 8
+# Programmatic dependent launch of the combine kernel on Hopper (0: an ordinary launch).
+PDL = 1
 TUNING_ENV = "FLASHTILE_DECODE_TUNING"
-KNOBS = {"pdl": "PDL", "block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED", "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS",
-         "warps": "WARPS", "stages": "STAGES",
+KNOBS = {"block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED",
+         "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS", "warps": "WARPS", "stages": "STAGES",
          "programs_per_sm": "PROGRAMS_PER_SM", "programs_per_sm_wide": "PROGRAMS_PER_SM_WIDE",
-         "min_tiles_per_split": "MIN_TILES_PER_SPLIT"}
+         "min_tiles_per_split": "MIN_TILES_PER_SPLIT", "pdl": "PDL"}
 
 
 def knobs() -> dict:
@@ -78,7 +78,8 @@ def knobs() -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _knobs(env_text: str) -> dict:
-    # Cached on the override text: the lookup runs on every decoding step.
+    # Cached on the override text (the lookup runs on every decoding step): the module
+    # constants are read once, at the first call with that text.
     current = {name: globals()[const] for name, const in KNOBS.items()}
     current.update(parse_tuning(TUNING_ENV, env_text, tuple(KNOBS)))
     return types.MappingProxyType(current)  # shared between calls: read-only
@@ -102,7 +103,8 @@ def _decode_split(
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
     seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all,
     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
-    HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, DIRECT: tl.constexpr,
