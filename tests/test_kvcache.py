@@ -123,6 +123,25 @@ def test_split_kernel_matches_reference_for_any_num_splits(page_size, seqlen_q, 
 
 
 @needs_kernels
+def test_split_kernel_takes_strided_index_tensors():
+    """cache_seqlens, cache_batch_idx and block_table as strided views (every other entry of a
+    longer tensor): the same result as contiguous copies."""
+    q, kc, vc, table = _case(3, 1, 4, 2, 32, 64, 16, seed=17, device=DEVICE)
+    lengths = torch.tensor([64, -7, 1, -7, 40, -7], dtype=torch.int32, device=DEVICE)[::2]
+    wide = torch.empty((3, 2 * table.shape[1]), dtype=torch.int32, device=DEVICE)
+    wide[:, ::2], wide[:, 1::2] = table, table.flip(1)  # valid but wrong pages in between
+    strided = kvcache._attend_triton(q, kc, vc, lengths, None, wide[:, ::2], 32 ** -0.5, -1, -1, 0.0, None, 3)
+    dense = kvcache._attend_triton(q, kc, vc, lengths.contiguous(), None, table, 32 ** -0.5, -1, -1, 0.0, None, 3)
+    assert torch.equal(strided[0], dense[0]) and torch.equal(strided[1], dense[1])
+    _check(strided[0], strided[1], q, kc, vc, table, [64, 1, 40])
+    q, kc, vc, _ = _case(2, 1, 4, 2, 32, 48, seed=18, device=DEVICE)
+    idx = torch.tensor([1, 0, 0, 1], dtype=torch.int32, device=DEVICE)[::2]  # rows 1, 0
+    strided = kvcache._attend_triton(q, kc, vc, 48, idx, None, 32 ** -0.5, -1, -1, 0.0, None, 2)
+    dense = kvcache._attend_triton(q, kc, vc, 48, idx.contiguous(), None, 32 ** -0.5, -1, -1, 0.0, None, 2)
+    assert torch.equal(strided[0], dense[0]) and torch.equal(strided[1], dense[1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_split_kernel_takes_one_int_length_for_every_sequence(page_size):
     q, kc, vc, table = _case(2, 1, 4, 2, 32, 64, page_size, seed=12, device=DEVICE)

@@ -599,6 +599,8 @@ def _dropout_args(dropout: tuple | None) -> dict:
 def _score_mod_args(softmax_scale: float, softcap: float, alibi_slopes, placeholder: torch.Tensor) -> dict:
     """Kernel arguments for the optional softcap and ALiBi (see ``_score_mod``)."""
     has_alibi = alibi_slopes is not None
+    if has_alibi:
+        alibi_slopes = alibi_slopes.contiguous()  # the kernels step over heads with stride 1
     return dict(
         HAS_SOFTCAP=softcap > 0,
         softcap_scale=2.0 * LOG2E * softmax_scale / softcap if softcap > 0 else 0.0,
@@ -624,7 +626,8 @@ class _Layout:
         if self.varlen:
             self.batch = cu_seqlens_q.numel() - 1
             self.seqlen_q, self.seqlen_k = max_seqlen_q, max_seqlen_k  # grid extent; kernels read the rest
-            self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
+            # The kernels read cu_seqlens[b] at offset b: a strided view is copied first.
+            self.cu_q, self.cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
             self.lse_shape = (self.nheads, q.shape[0])
             self.lse_strides = (0, q.shape[0])  # (batch, head): packed rows are already offset
             self.rng_cols = max_seqlen_k  # dropout counters: row * rng_cols + key

@@ -289,6 +289,11 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     merging them all -- measured slower: batch 1, 32k, 32 splits: 2.4 TB/s against 3.1.)"""
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
+    # The kernel reads entry b of these at offset b (block-table rows with their own stride,
+    # columns at stride 1): strided views are copied first.
+    seqlens_k = seqlens_k.contiguous() if isinstance(seqlens_k, torch.Tensor) else seqlens_k
+    cache_batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
+    block_table = block_table if block_table is None or block_table.stride(1) == 1 else block_table.contiguous()
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]

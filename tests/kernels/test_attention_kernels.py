@@ -139,6 +139,21 @@ def test_backward_takes_views_of_a_longer_sequence():
         torch.testing.assert_close(g, w, atol=0, rtol=0)
 
 
+@needs_kernels
+def test_strided_alibi_slopes_and_cu_seqlens():
+    """ALiBi slopes and cu_seqlens as every-other-entry views: as contiguous copies."""
+    q, k, v = random_qkv(2, 24, 24, 2, 1, 32, device=DEVICE)
+    slopes = torch.tensor([0.5, -1.0, 0.25, -1.0], device=DEVICE)[::2]
+    got = ka.attention_forward(q, k, v, 0.2, -1, 0, alibi_slopes=slopes)
+    want = ka.attention_forward(q, k, v, 0.2, -1, 0, alibi_slopes=slopes.contiguous())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    packed = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    cu = torch.tensor([0, 99, 10, 99, 48, 99], dtype=torch.int32, device=DEVICE)[::2]
+    got = ka.varlen_attention_forward(*packed, cu, cu, 0.2, -1, 0)
+    want = ka.varlen_attention_forward(*packed, cu.contiguous(), cu.contiguous(), 0.2, -1, 0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ----------------------------------------------------------------------------------------
 # GPU only
 # ----------------------------------------------------------------------------------------
