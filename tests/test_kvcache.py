@@ -244,6 +244,8 @@ def test_merge_validation():
         (dict(block_table=torch.zeros(2, 2)), ValueError, "block_table"),
         (dict(num_splits=-1), ValueError, "num_splits"),
         (dict(cache_batch_idx=[0, 1]), TypeError, "cache_batch_idx"),
+        (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+        (dict(window_size=(2,)), ValueError, "window_size"),
     ],
 )
 def test_validation(kwargs, exc, match):
@@ -251,6 +253,19 @@ def test_validation(kwargs, exc, match):
     kc, vc = torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)
     with pytest.raises(exc, match=match):
         flashtile.flash_attn_with_kvcache(q, kc, vc, **kwargs)
+
+
+@pytest.mark.parametrize("k_cache,match", [
+    (torch.randn(2, 20, 2, 16, dtype=torch.float16), "q, k_cache and v_cache must share one dtype"),
+    (torch.randn(2, 20, 3, 16), "k_cache and v_cache must have one shape"),
+    (torch.randn(2, 20, 3, 16), "nheads of k_cache/v_cache"),
+    (torch.randn(2, 20, 2, 8), "head dimension"),
+])
+def test_cache_validation_names_the_cache(k_cache, match):
+    q = torch.randn(2, 1, 4, 16)
+    v_cache = k_cache.clone() if "nheads" in match or "head dim" in match else torch.randn(2, 20, 2, 16)
+    with pytest.raises(ValueError, match=match):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache)
 
 
 @pytest.mark.gpu
