@@ -5,7 +5,8 @@ program per (batch, head) would leave most SMs idle at small batch.  The cache i
 cut into ``num_splits`` chunks of whole key tiles; each program handles one chunk for one
 (batch, kv head) and *all* query rows of that head's GQA group (``group * seqlen_q`` rows in
 one tile, so each K/V tile is read once for the group), and writes a partial output and
-LSE.  A second, small kernel merges the partials with the online-softmax rule (the same rule
+LSE (with a single split, the final output directly: one launch in all).  A second, small
+kernel merges the partials with the online-softmax rule (the same rule
 as ``flashtile.merging``): one launch instead of the dozen elementwise torch ops the merge
 would take, which matters when the whole decode step lasts a few microseconds.  On Hopper
 the merge is a programmatic dependent launch: it is launched while the split kernel still
