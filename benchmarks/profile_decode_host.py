@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 
 import torch
 
 import flashtile
-from flashtile.bench.common import environment
+from flashtile.bench.common import environment, write_jsonl
 
 
 def per_call_us(fn, calls=3000):
@@ -107,9 +106,7 @@ def main():
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
     print(s.getvalue())
     if args.out:
-        with open(args.out, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(args.out, records)
 
 
 if __name__ == "__main__":

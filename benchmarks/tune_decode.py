@@ -17,6 +17,7 @@ import torch
 import triton
 
 import flashtile
+from flashtile.bench.common import write_jsonl
 from flashtile.bench.decode import _paged
 from flashtile.kernels import decode as kd
 
@@ -68,8 +69,7 @@ def main():
             print(json.dumps(rec), flush=True)
     os.environ.pop(kd.TUNING_ENV, None)
     if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":
