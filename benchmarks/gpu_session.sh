@@ -3,7 +3,7 @@
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
 #   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax softmax_tests tune_softmax
 #                                                 features decode decode_host decode_iam
-#                                                 tune_decode kvcache_tests fp8
+#                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
@@ -28,12 +28,13 @@ for part in $parts; do
     tests) run gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
     attention) run attention 420 python3 -m flashtile.bench.gpu --out "$RES" ;;
     softmax) run softmax 120 python3 -m flashtile.bench.softmax --out "$RES" ;;
-    softmax_tests) run softmax_tests 150 python3 -m pytest tests/kernels/test_softmax_kernels.py -m gpu -q \
+    softmax_tests) run softmax_tests 220 python3 -m pytest tests/kernels/test_softmax_kernels.py -m gpu -q \
                      -p no:cacheprovider -p no:warnings ;;
     tune_softmax) run tune_softmax 200 python3 benchmarks/tune_softmax.py --out "$RES" --budget-s 150 \
-                    --cols 16384 65536 262144 1048576 4194304 --configs "" "cooperative_max=0" \
-                    "coop_warps=4" "coop_warps=4,coop_block=4096,coop_bwd_block=2048" "coop_warps=2,coop_block=4096" \
-                    "coop_maxnreg=64" "coop_warps=4,coop_maxnreg=128" "in_register_max=8192,coop_warps=4" ;;
+                    --cols 65536 262144 1048576 4194304 --configs "" "coop_pack=0" "cooperative_max=0" \
+                    "coop_fwd_min_bytes=0" "coop_bwd_block=8192" "coop_fwd_maxnreg=80" ;;
+    strided_tests) run strided_tests 120 python3 -m pytest tests/test_kvcache.py tests/kernels/test_attention_kernels.py \
+                     -q -p no:cacheprovider -p no:warnings -k "strided or views or non_contiguous" ;;
     kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;

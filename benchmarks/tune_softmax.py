@@ -74,7 +74,7 @@ def _plans(ks, m, n, elt, config):
     os.environ[ks.TUNING_ENV] = config
     try:
         return (ks.plan(m, n, elem_bytes=elt, reread_bytes=n * elt),
-                ks.plan(m, n, elem_bytes=elt, reread_bytes=2 * n * elt))
+                ks.plan(m, n, elem_bytes=elt, reread_bytes=2 * n * elt, backward=True))
     finally:
         os.environ.pop(ks.TUNING_ENV, None)
 
@@ -83,7 +83,8 @@ def _describe(p):
     if p["strategy"] == "registers":
         return f"registers w{p['num_warps']}"
     if p["strategy"] == "cooperative":
-        return f"cooperative {p['BLOCK_N']} w{p['num_warps']} s{p['splits']}"
+        return (f"cooperative {p['BLOCK_N']} w{p['num_warps']} s{p['splits']}" + (f" r{p['maxnreg']}" if p["maxnreg"] else "")
+                + ("" if p["pack"] else " unpacked"))
     extra = f"p{p['programs']}" if p["strategy"] == "fused" else f"s{p['splits']}"
     return f"{p['strategy']} {p['BLOCK_N']}x{p['UNROLL']} w{p['num_warps']} {extra}"
 
@@ -184,7 +185,7 @@ H200_SMS = 132
 POINTERS = {"X", "Y", "MASK", "G", "DX", "M_PART", "L_PART", "S_PART", "ARRIVED"}
 FLOATS = {"scale_log2", "scale"}
 ONES = {"sxc", "smc", "L1"}  # contiguous rows: Triton specializes arguments equal to 1
-ALIGNED = {"n_cols", "chunk", "L2", "sx0", "sx1", "sx2", "sm0", "sm1", "sm2"}  # multiples of 16
+ALIGNED = {"n_cols", "n_words", "chunk", "L2", "sx0", "sx1", "sx2", "sm0", "sm1", "sm2"}  # multiples of 16
 
 
 def compile_for_sm90(fn, dtype, constexprs, num_warps, num_stages=3):
@@ -270,12 +271,18 @@ def report(configs, dtypes):
                                                                       LAST_READ=pol["LAST_READ"], WRITE=pol["WRITE"],
                                                                       **tiles), w
         for backward, fn in ((False, ks._softmax_fwd_cooperative), (True, ks._softmax_bwd_cooperative)):
-            p = ks.plan(1024, 262144, strategy="cooperative", backward=backward)
+            p = ks.plan(1024, 262144, strategy="cooperative", backward=backward, elem_bytes=elem)
             w = p["num_warps"]
             for log, mask_kind in ((False, 0), (True, 0), (False, 1), (False, 2)):
+                consts = dict(LOG=log, MASK_KIND=mask_kind, SPLITS=p["SPLITS"], PHASE=0)
+                if backward:
+                    consts["BLOCK_N"] = p["BLOCK_N"]
+                else:  # the forward holds 16-bit inputs as pairs in int32 words
+                    pairs = 2 if elem == 2 else 1
+                    kind = {"bf16": ks.KIND_BF16X2, "fp16": ks.KIND_F16X2}.get(dtype, ks.KIND_PLAIN).value
+                    consts.update(KIND=kind, WORDS=p["BLOCK_N"] // pairs, ASM=True)
                 yield (f"cooperative chunk={p['BLOCK_N']} warps={w} {'bwd' if backward else 'fwd'} log={int(log)} "
-                       f"mask={mask_kind}", fn, dict(LOG=log, MASK_KIND=mask_kind, BLOCK_N=p["BLOCK_N"],
-                                                      SPLITS=p["SPLITS"], PHASE=0), w)
+                       f"mask={mask_kind}", fn, consts, w)
         for n_cols in (16384, 32768):
             for name, fn in (("fwd", ks._softmax_fwd_in_registers), ("bwd", ks._softmax_bwd_in_registers)):
                 p = ks.plan(1, n_cols, strategy="registers", backward=name == "bwd")

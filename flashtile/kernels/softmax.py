@@ -12,7 +12,7 @@ and, when it does not, on whether its second read can be served by the L2 cache:
   rows get one program and more warps.
 * **cooperative** (longer rows, up to ``COOPERATIVE_MAX`` / ``COOP_BWD_MAX`` elements, at
   most 4M forward / 2M backward on an H200; by default the backward up to 256k): a row
-  too long for one SM is cut into chunks of ``COOP_BLOCK`` elements, one per program, and
+  too long for one SM is cut into chunks (``COOP_BLOCK``), one per program, and
   every chunk stays in registers from its read to its write, so HBM sees 1 read + 1 write
   however long the row.  Each program publishes its chunk's ``(m, l)`` and waits until the
   row's other chunk programs have published theirs (a per-row arrival counter), then
@@ -121,24 +121,39 @@ SPLIT_WARPS = 8
 SPLIT_PROGRAMS_PER_SM = 8
 MAX_SPLITS = 256
 # Cooperative path: rows longer than IN_REGISTER_MAX and up to COOPERATIVE_MAX (forward) /
-# COOP_BWD_MAX (backward) elements are cut into chunks of COOP_BLOCK (forward) /
-# COOP_BWD_BLOCK (backward: y and dy both held) elements, one chunk per program of
-# COOP_WARPS warps, held in registers from its read to its write (32 / 16 values per thread
-# at 8 warps).  0 turns the path off.  Measured on an H200 (M x N = 2^28, fraction of the
-# copy rate, benchmarks/results/h200_session4/tune_softmax_1.log): the backward gains
+# COOP_BWD_MAX (backward) elements are cut into chunks, one chunk per program of COOP_WARPS
+# warps, held in registers from its read to its write.  Forward chunks are COOP_BLOCK
+# elements, 0 = 32 KB of input (16k bf16 / 8k fp32 elements: 32 words per thread at 8
+# warps, bf16 / fp16 held as pairs in int32 words); backward chunks COOP_BWD_BLOCK elements
+# (y and dy both held: 8192 measured above 4096 for bf16 64k, 0.86 of the copy rate against
+# 0.81, and equal elsewhere, h200_session6/tune_softmax_3.log).  0 turns a path off.
+# Measured on an H200 before the forward held its input packed (M x N = 2^28, fraction of
+# the copy rate, benchmarks/results/h200_session4/tune_softmax_1.log): the backward gains
 # (bf16 64k / 256k / 1M: 0.78 / 0.69 / 0.49 against the fused path's 0.74 / 0.56 / 0.55;
-# fp32 0.87 / 0.78 / 0.65 against 0.67 / 0.60 / 0.59), the forward loses (bf16 0.67 / 0.64 /
-# 0.48 against 0.76 / 0.63 / 0.60): its chunk's wait for the row's slowest chunk is not
-# hidden by enough other bytes in flight, the registers holding the chunks being the limit.
-COOPERATIVE_MAX = 0
+# fp32 0.87 / 0.78 / 0.65 against 0.67 / 0.60 / 0.59), the forward then lost (bf16 0.67 /
+# 0.64 / 0.48 against 0.76 / 0.63 / 0.60) at 63-106 registers, 2-4 programs per SM: a
+# chunk's wait for its row's slowest chunk is hidden only by the other rows' chunks that
+# are resident, so the bytes held per SM are what counts.
+COOPERATIVE_MAX = 4194304
 COOP_BWD_MAX = 262144
-COOP_BLOCK = 8192
-COOP_BWD_BLOCK = 4096
+# The forward takes the cooperative path only for rows of at least this many bytes: below,
+# the fused path's second read still hits L2 and measured faster (bf16 64k: 0.72 of the
+# copy rate fused against 0.69 cooperative; fp32 64k: 0.78 against 0.84).
+COOP_FWD_MIN_BYTES = 262144
+COOP_BLOCK = 0
+COOP_BWD_BLOCK = 8192
 COOP_WARPS = 8
+# 1: hold unmasked contiguous 16-bit rows as pairs in int32 words; 0: one element a word.
+COOP_PACK = 1
 # Register cap (ptxas .maxnreg) for the cooperative kernels: 0 = none, except when a row's
 # chunks would not all be resident without it -- then 64 (4 programs of 8 warps per SM: a
 # 4M-element row fits on an H200's 132 SMs; masked variants spill ~100 B at this cap).
+# The forward's own cap, COOP_FWD_MAXNREG, overrides it for the forward: ptxas front-loads
+# the exp2 arguments (~125 registers for 32 packed words a thread), and 4 programs per SM
+# at 64 registers measured fastest despite ~330 B of spills (bf16 256k: 0.68 of the copy
+# rate against 0.60 uncapped; fp32, which does not spill at 64, 0.78 against 0.72).
 COOP_MAXNREG = 0
+COOP_FWD_MAXNREG = 64
 # L2 eviction hints on the streaming kernels (1) or none (0).
 EVICTION_HINTS = 1
 # num_stages of the streaming loops (tl.range); 0 = the compiler's default (no pipelining
@@ -161,10 +176,13 @@ KNOBS = {
     "split_programs_per_sm": "SPLIT_PROGRAMS_PER_SM",
     "cooperative_max": "COOPERATIVE_MAX",
     "coop_bwd_max": "COOP_BWD_MAX",
+    "coop_fwd_min_bytes": "COOP_FWD_MIN_BYTES",
+    "coop_pack": "COOP_PACK",
     "coop_block": "COOP_BLOCK",
     "coop_bwd_block": "COOP_BWD_BLOCK",
     "coop_warps": "COOP_WARPS",
     "coop_maxnreg": "COOP_MAXNREG",
+    "coop_fwd_maxnreg": "COOP_FWD_MAXNREG",
     "evict": "EVICTION_HINTS",
     "stages": "LOOP_STAGES",
 }
@@ -416,36 +434,166 @@ def _softmax_fwd_write(
         tl.store(Y + y_off + cols, y.to(Y.dtype.element_ty), mask=ok, eviction_policy=WRITE)
 
 
+# The cooperative forward holds its chunk as loaded -- unmasked bf16 / fp16 rows as their
+# own 16-bit pairs in int32 words (PAIRS = 2), anything else one element a word -- and
+# recomputes the logits from it for the write: an fp32 copy of the chunk would take twice
+# the registers of a 16-bit one, and registers are what bounds the rows in flight per SM.
+KIND_PLAIN = tl.constexpr(0)  # one element per word, any float dtype
+KIND_BF16X2 = tl.constexpr(1)
+KIND_F16X2 = tl.constexpr(2)
+
+
+@triton.jit
+def _unpack(w, h: tl.constexpr, KIND: tl.constexpr):
+    """Element ``h`` (0 = low half, 1 = high half) of each word, as fp32."""
+    if KIND == KIND_BF16X2:  # a bf16 is the top half of the fp32 with the same value
+        bits = (w << 16) if h == 0 else (w & -65536)
+        return bits.to(tl.float32, bitcast=True)
+    elif KIND == KIND_F16X2:
+        half = w if h == 0 else (w >> 16)
+        return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
+def _pack(y_lo, y_hi, KIND: tl.constexpr):
+    """Two fp32 halves -> one word of two 16-bit floats (the inverse of ``_unpack``)."""
+    if KIND == KIND_BF16X2:
+        lo = y_lo.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        hi = y_hi.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:
+        lo = y_lo.to(tl.float16).to(tl.int16, bitcast=True)
+        hi = y_hi.to(tl.float16).to(tl.int16, bitcast=True)
+    return (lo.to(tl.int32) & 65535) | (hi.to(tl.int32) << 16)
+
+
+@triton.jit
+def _max_pairs(a, b, KIND: tl.constexpr, MIN: tl.constexpr):
+    """Elementwise max (``MIN``: min) of both halves of two words at once, NaN-ignoring like
+    ``tl.max``: reduces a packed chunk without unpacking it to fp32 registers."""
+    op: tl.constexpr = ("min" if MIN else "max") + (".bf16x2" if KIND == KIND_BF16X2 else ".f16x2")
+    return tl.inline_asm_elementwise(op + " $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_bf16x2(a, b):
+    return _max_pairs(a, b, KIND_BF16X2, False)
+
+
+@triton.jit
+def _min_bf16x2(a, b):
+    return _max_pairs(a, b, KIND_BF16X2, True)
+
+
+@triton.jit
+def _max_f16x2(a, b):
+    return _max_pairs(a, b, KIND_F16X2, False)
+
+
+@triton.jit
+def _min_f16x2(a, b):
+    return _max_pairs(a, b, KIND_F16X2, True)
+
+
+@triton.jit
+def _opaque(w):
+    """``w``, through an instruction the compiler cannot see through: the write recomputes
+    the logits from the held words instead of keeping the first pass's fp32 copies."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _chunk_logits(w, h: tl.constexpr, MASK, m_off, idx, ok, smc,
+                  KIND: tl.constexpr, PAIRS: tl.constexpr, MASK_KIND: tl.constexpr, POLICY: tl.constexpr,
+                  NAN_PADDED: tl.constexpr):
+    """Half ``h`` of a held chunk as ``(x, bias)`` (see ``_logits``): column ``idx * PAIRS + h``.
+    ``NAN_PADDED``: the padding was loaded as NaN and the caller drops it (bias 0 here)."""
+    x = _unpack(w, h, KIND)
+    if NAN_PADDED:
+        bias = 0.0
+    else:
+        bias = tl.where(ok, 0.0, float("-inf"))
+    if MASK_KIND == 1:
+        keep = tl.load(MASK + m_off + idx * smc, mask=ok, other=0, eviction_policy=POLICY) != 0
+        bias = tl.where(keep, bias, float("-inf"))
+        x = tl.where(keep, x, 0.0)
+    elif MASK_KIND == 2:
+        add = tl.load(MASK + m_off + idx * smc, mask=ok, other=0.0, eviction_policy=POLICY)
+        bias = bias + add.to(tl.float32) * 1.4426950408889634
+    return x, bias
+
+
+@triton.jit
+def _chunk_max(w, MASK, m_off, idx, ok, smc, scale_log2,
+               KIND: tl.constexpr, PAIRS: tl.constexpr, MASK_KIND: tl.constexpr, PACKED_MAX: tl.constexpr):
+    """The chunk's largest logit, log2 units (-inf for an empty chunk)."""
+    if PACKED_MAX:
+        # max(x * s) = s * (max x if s >= 0 else min x), reduced on the packed words; the
+        # padding words are NaN, which max / min ignore (every chunk has a real column).
+        if scale_log2 >= 0:
+            best = tl.reduce(w, 0, _max_bf16x2 if KIND == KIND_BF16X2 else _max_f16x2)
+            x = tl.maximum(_unpack(best, 0, KIND), _unpack(best, 1, KIND))
+        else:
+            best = tl.reduce(w, 0, _min_bf16x2 if KIND == KIND_BF16X2 else _min_f16x2)
+            x = tl.minimum(_unpack(best, 0, KIND), _unpack(best, 1, KIND))
+        return x * scale_log2
+    m = tl.full([], float("-inf"), tl.float32)
+    for h in tl.static_range(PAIRS):
+        x, bias = _chunk_logits(w, h, MASK, m_off, idx, ok, smc, KIND, PAIRS, MASK_KIND, "", False)
+        m = tl.maximum(m, tl.max(x * scale_log2 + bias, axis=0))
+    return m
+
+
 @triton.jit
 def _softmax_fwd_cooperative(
-    X, MASK, Y, M_PART, L_PART, ARRIVED, n_rows, n_cols, L1, L2,
+    X, MASK, Y, M_PART, L_PART, ARRIVED, n_rows, n_words, L1, L2,
     sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
     scale_log2, splits,
-    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    PHASE: tl.constexpr,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
+    SPLITS: tl.constexpr, PHASE: tl.constexpr, ASM: tl.constexpr,
 ):
     """Cooperative path: program (slot, c) keeps chunk c of rows slot, slot + slots, ... in
     registers between its one read and its one write, and learns the row's (max, sum) from
     the row's other chunk programs through ``M_PART`` / ``L_PART`` and a zeroed arrival
     counter per row, ``ARRIVED``.
 
+    The chunk is ``WORDS`` words: with ``KIND`` a packed kind, ``X`` and ``Y`` are read as
+    int32 words of contiguous 16-bit rows, two elements each (``n_words`` = half the
+    columns, ``sx*`` in words); otherwise a word is one element, ``sxc`` apart.
+
     PHASE 0 is the GPU kernel (publish, wait, write).  The interpreter runs programs one after
     another, so a program could never see a later one's partial: it runs PHASE 1 (publish)
     and then PHASE 2 (re-read and write) as two launches of this same code."""
+    PAIRS: tl.constexpr = 1 if KIND == KIND_PLAIN else 2
+    tl.static_assert(PAIRS == 1 or MASK_KIND == 0, "masked rows are held one element a word")
+    # 16-bit pairs: the max is taken on the packed words, the padding loaded as NaN.
+    PACKED_MAX: tl.constexpr = ASM and PAIRS == 2
+    PAD: tl.constexpr = (0x7FC07FC0 if KIND == KIND_BF16X2 else 0x7E007E00) if PACKED_MAX else 0
+    if PAIRS == 2:
+        XW = X.to(tl.pointer_type(tl.int32), bitcast=True)
+        YW = Y.to(tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        XW = X
+        YW = Y
     pid = tl.program_id(0)
     c = pid % splits
-    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < n_cols
+    idx = c * WORDS + tl.arange(0, WORDS)
+    ok = idx < n_words
     for row in tl.range(pid // splits, n_rows, tl.num_programs(0) // splits):
         x_off = _row_offset(row, L1, L2, sx0, sx1, sx2)
         m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
-        x, bias = _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND, "evict_first")
-        m_c = tl.max(x * scale_log2 + bias, axis=0)
-        shift_c = _safe_shift(m_c)
-        # Kept for the write: exp2 runs once per element (at full HBM rate a second one would
-        # take the whole MUFU throughput), the output is e times one per-row factor.
-        e = tl.math.exp2(x * scale_log2 + (bias - shift_c))
+        w = tl.load(XW + x_off + idx * sxc, mask=ok, other=PAD, eviction_policy="evict_first")
         if PHASE != 2:
+            m_c = _chunk_max(w, MASK, m_off, idx, ok, smc, scale_log2, KIND, PAIRS, MASK_KIND, PACKED_MAX)
+            shift_c = _safe_shift(m_c)
+            x, bias = _chunk_logits(w, 0, MASK, m_off, idx, ok, smc, KIND, PAIRS, MASK_KIND, "", PACKED_MAX)
+            e = tl.math.exp2(x * scale_log2 + (bias - shift_c))
+            if PAIRS == 2:
+                x, bias = _chunk_logits(w, 1, MASK, m_off, idx, ok, smc, KIND, PAIRS, MASK_KIND, "", PACKED_MAX)
+                e += tl.math.exp2(x * scale_log2 + (bias - shift_c))
+            if PACKED_MAX:
+                e = tl.where(ok, e, 0.0)
             # The true max, -inf for an empty chunk (see _softmax_fwd_partials).
             tl.store(M_PART + row * splits + c, m_c)
             tl.store(L_PART + row * splits + c, tl.sum(e, axis=0))
@@ -454,12 +602,16 @@ def _softmax_fwd_cooperative(
         if PHASE != 1:
             shift, l = _merge_partials(M_PART, L_PART, row, splits, SPLITS)
             inv_l, log2_l = _normalizers(l)
-            if LOG:
-                y = (x * scale_log2 + (bias - shift - log2_l)) * 0.6931471805599453
-            else:
-                y = e * (tl.math.exp2(shift_c - shift) * inv_l)
-            y_off = tl.cast(row, tl.int64) * n_cols
-            tl.store(Y + y_off + cols, y.to(Y.dtype.element_ty), mask=ok, eviction_policy="evict_first")
+            if PACKED_MAX:
+                w = _opaque(w)
+            x, bias = _chunk_logits(w, 0, MASK, m_off, idx, ok, smc, KIND, PAIRS, MASK_KIND, "evict_first", PACKED_MAX)
+            y = _softmax_out(x, bias, shift, inv_l, log2_l, scale_log2, LOG)
+            if PAIRS == 2:
+                x, bias = _chunk_logits(w, 1, MASK, m_off, idx, ok, smc, KIND, PAIRS, MASK_KIND, "evict_first",
+                                        PACKED_MAX)
+                y = _pack(y, _softmax_out(x, bias, shift, inv_l, log2_l, scale_log2, LOG), KIND)
+            y_off = tl.cast(row, tl.int64) * n_words  # YW is a fresh contiguous (rows, words) buffer
+            tl.store(YW + y_off + idx, y.to(YW.dtype.element_ty), mask=ok, eviction_policy="evict_first")
 
 
 # Backward.  With y the output (contiguous) and g = dL/dy:
@@ -579,29 +731,52 @@ def _softmax_bwd_write(
 
 @triton.jit
 def _softmax_bwd_cooperative(
-    Y, G, MASK, DX, S_PART, ARRIVED, n_rows, n_cols, L1, L2, sm0, sm1, sm2, smc, scale, splits,
-    LOG: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    PHASE: tl.constexpr,
+    Y, G, MASK, DX, S_PART, ARRIVED, n_rows, n_words, L1, L2, sm0, sm1, sm2, smc, scale, splits,
+    LOG: tl.constexpr, MASK_KIND: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
+    SPLITS: tl.constexpr, PHASE: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Cooperative path (see the forward): a chunk of y and g stays in registers while the
-    row's chunk programs exchange their partial sums through ``S_PART``."""
+    """Cooperative path (see the forward): a chunk of y and g stays in registers, as loaded
+    (16-bit pairs in int32 words when ``KIND`` says so, as in the forward), while the row's
+    chunk programs exchange their partial sums through ``S_PART``."""
+    PAIRS: tl.constexpr = 1 if KIND == KIND_PLAIN else 2
+    tl.static_assert(PAIRS == 1 or MASK_KIND == 0, "masked rows are held one element a word")
+    if PAIRS == 2:
+        YW = Y.to(tl.pointer_type(tl.int32), bitcast=True)
+        GW = G.to(tl.pointer_type(tl.int32), bitcast=True)
+        DXW = DX.to(tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        YW = Y
+        GW = G
+        DXW = DX
     pid = tl.program_id(0)
     c = pid % splits
-    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < n_cols
+    idx = c * WORDS + tl.arange(0, WORDS)
+    ok = idx < n_words
     for row in tl.range(pid // splits, n_rows, tl.num_programs(0) // splits):
-        offs = tl.cast(row, tl.int64) * n_cols + cols
-        y = tl.load(Y + offs, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        g = tl.load(G + offs, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        offs = tl.cast(row, tl.int64) * n_words + idx
+        yw = tl.load(YW + offs, mask=ok, other=0, eviction_policy="evict_first")
+        gw = tl.load(GW + offs, mask=ok, other=0, eviction_policy="evict_first")
         if PHASE != 2:
-            tl.store(S_PART + row * splits + c, tl.sum(g if LOG else g * y, axis=0))
+            g = _unpack(gw, 0, KIND)
+            part = g if LOG else g * _unpack(yw, 0, KIND)
+            if PAIRS == 2:
+                g = _unpack(gw, 1, KIND)
+                part += g if LOG else g * _unpack(yw, 1, KIND)
+            tl.store(S_PART + row * splits + c, tl.sum(part, axis=0))
             if PHASE == 0:
                 _arrive_and_wait(ARRIVED, row, splits)
         if PHASE != 1:
             s = _sum_partials(S_PART, row, splits, SPLITS)
             m_off = _row_offset(row, L1, L2, sm0, sm1, sm2)
-            dx = _bwd_dx(MASK, y, g, s, m_off, cols, ok, smc, scale, LOG, MASK_KIND, "evict_first")
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok, eviction_policy="evict_first")
+            if ASM and PAIRS == 2:  # recompute from the held words (see the forward's _opaque)
+                yw = _opaque(yw)
+                gw = _opaque(gw)
+            dx = _bwd_dx(MASK, _unpack(yw, 0, KIND), _unpack(gw, 0, KIND), s, m_off, idx, ok, smc, scale,
+                         LOG, MASK_KIND, "evict_first")
+            if PAIRS == 2:
+                dx = _pack(dx, _bwd_dx(MASK, _unpack(yw, 1, KIND), _unpack(gw, 1, KIND), s, m_off, idx, ok,
+                                       smc, scale, LOG, MASK_KIND, "evict_first"), KIND)
+            tl.store(DXW + offs, dx.to(DXW.dtype.element_ty), mask=ok, eviction_policy="evict_first")
 
 
 # --------------------------------------------------------------------------------------
@@ -676,10 +851,14 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
     k = knobs()
     strategy = _ALIASES.get(strategy, strategy)
     sms = _sms()
+    if backward:
+        cooperative = n_cols <= k["coop_bwd_max"]
+    else:
+        cooperative = k["coop_fwd_min_bytes"] <= n_cols * elem_bytes and n_cols <= k["cooperative_max"]
     if strategy is None:
         if n_cols <= k["in_register_max"]:
             strategy = "registers"
-        elif n_cols <= k["coop_bwd_max" if backward else "cooperative_max"]:
+        elif cooperative:
             strategy = "cooperative"
         else:
             strategy = streaming_strategy(n_rows)
@@ -689,12 +868,15 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
         if INTERPRET:
             chunk, num_warps = block or 64, 1
         else:
-            chunk, num_warps = block or k["coop_bwd_block" if backward else "coop_block"], k["coop_warps"]
+            fwd_chunk = k["coop_block"] or 32768 // elem_bytes
+            chunk, num_warps = block or (k["coop_bwd_block"] if backward else fwd_chunk), k["coop_warps"]
         chunk = next_power_of_2(chunk)
         n_splits = cdiv(n_cols, chunk)
         slots = n_rows if programs is None else max(1, programs // n_splits)
+        maxnreg = k["coop_maxnreg"] if backward else (k["coop_fwd_maxnreg"] or k["coop_maxnreg"])
         return dict(strategy=strategy, BLOCK_N=chunk, num_warps=num_warps, splits=n_splits,
-                    SPLITS=max(2, next_power_of_2(n_splits)), slots=min(n_rows, slots))
+                    SPLITS=max(2, next_power_of_2(n_splits)), slots=min(n_rows, slots),
+                    maxnreg=0 if INTERPRET else maxnreg, pack=bool(k["coop_pack"]))
     if strategy == "registers":
         block_n = max(16, next_power_of_2(n_cols))
         if INTERPRET:
@@ -797,7 +979,7 @@ def _launch_cooperative(kernel, args, kwargs, p, device) -> bool:
     # Cooperative: the driver refuses the launch unless every program can be resident at
     # once, so a program waiting for its row's other chunks can never wait forever.
     kwargs = dict(kwargs, PHASE=0, launch_cooperative_grid=True)
-    maxnreg = knobs()["coop_maxnreg"]
+    maxnreg = p["maxnreg"]
     if maxnreg:
         kwargs["maxnreg"] = maxnreg
     slots = min(p["slots"], _resident_programs(kernel, args, kwargs, device) // p["splits"])
@@ -819,6 +1001,17 @@ def _mask_kind(mask):
     if mask is None:
         return 0
     return 1 if mask.dtype == torch.bool else 2
+
+
+def _packing(x, mask, x_strides, n_cols, out_dtype):
+    """How the cooperative forward holds its chunk: unmasked 16-bit rows that are contiguous
+    and start on a word (y in x's dtype) as pairs in int32 words, anything else one element
+    a word."""
+    if mask is not None or x.dtype != out_dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        return KIND_PLAIN.value
+    if n_cols % 2 or x_strides[3] != 1 or any(st % 2 for st in x_strides[:3]) or x.data_ptr() % 4:
+        return KIND_PLAIN.value
+    return (KIND_BF16X2 if x.dtype == torch.bfloat16 else KIND_F16X2).value
 
 
 def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, log,
@@ -844,8 +1037,13 @@ def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, lo
     if p["strategy"] == "cooperative":
         parts = torch.empty((2, n_rows * p["splits"]), dtype=torch.float32, device=x.device)
         arrived = torch.zeros((n_rows,), dtype=torch.int32, device=x.device)
-        args = (x, mask_arg, y, parts[0], parts[1], arrived, n_rows, n_cols, L1, L2, *sx, *sm, scale_log2, p["splits"])
-        kw = dict(LOG=log, MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], SPLITS=p["SPLITS"], num_warps=p["num_warps"])
+        packing = _packing(x, mask, sx, n_cols, out_dtype) if p["pack"] else KIND_PLAIN.value
+        pairs = 1 if packing == KIND_PLAIN.value else 2
+        sxw = tuple(st // pairs for st in sx[:3]) + (sx[3],)
+        args = (x, mask_arg, y, parts[0], parts[1], arrived, n_rows, n_cols // pairs, L1, L2, *sxw, *sm,
+                scale_log2, p["splits"])
+        kw = dict(LOG=log, MASK_KIND=kind, KIND=packing, WORDS=p["BLOCK_N"] // pairs, SPLITS=p["SPLITS"],
+                  ASM=not INTERPRET, num_warps=p["num_warps"])
         if _launch_cooperative(_softmax_fwd_cooperative, args, kw, p, x.device):
             return y
         p = plan(n_rows, n_cols, streaming_strategy(n_rows), elem_bytes=x.element_size(), reread_bytes=reread)
@@ -888,8 +1086,14 @@ def softmax_backward(y, g, mask, lead_shape, m_strides, scale, log, out_dtype,
     if p["strategy"] == "cooperative":
         part = torch.empty((n_rows * p["splits"],), dtype=torch.float32, device=y.device)
         arrived = torch.zeros((n_rows,), dtype=torch.int32, device=y.device)
-        args = (y, g, mask_arg, dx, part, arrived, n_rows, n_cols, L1, L2, *m_strides, scale, p["splits"])
-        kw = dict(LOG=log, MASK_KIND=kind, BLOCK_N=p["BLOCK_N"], SPLITS=p["SPLITS"], num_warps=p["num_warps"])
+        # y, g and dx are contiguous (rows, n_cols): pairs when 16-bit, even and unmasked.
+        packing = KIND_PLAIN.value
+        if p["pack"] and g.dtype == y.dtype and g.data_ptr() % 4 == 0:
+            packing = _packing(y, mask, (0, 0, n_cols, 1), n_cols, out_dtype)
+        pairs = 1 if packing == KIND_PLAIN.value else 2
+        args = (y, g, mask_arg, dx, part, arrived, n_rows, n_cols // pairs, L1, L2, *m_strides, scale, p["splits"])
+        kw = dict(LOG=log, MASK_KIND=kind, KIND=packing, WORDS=p["BLOCK_N"] // pairs, SPLITS=p["SPLITS"],
+                  ASM=not INTERPRET, num_warps=p["num_warps"])
         if _launch_cooperative(_softmax_bwd_cooperative, args, kw, p, y.device):
             return dx
         p = plan(n_rows, n_cols, streaming_strategy(n_rows), elem_bytes=y.element_size(), reread_bytes=reread)

@@ -327,8 +327,9 @@ def test_plan_on_h200_shapes(monkeypatch):
             assert p["splits"] == -(-n // p["BLOCK_N"]) and p["slots"] == 2**28 // n
         assert at(2 * ks.COOP_BWD_MAX, elem, backward=True)["strategy"] == "fused"
     monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304")
-    p = at(4194304, 2)
-    assert p["strategy"] == "cooperative" and p["BLOCK_N"] == ks.COOP_BLOCK and p["splits"] == 512
+    for elem, chunk in ((2, 16384), (4, 8192)):  # 32 KB of input per forward chunk program
+        p = at(4194304, elem)
+        assert p["strategy"] == "cooperative" and p["BLOCK_N"] == chunk and p["splits"] == 4194304 // chunk
     monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=0")
     for elem in (2, 4):
         for n in (2 * ks.IN_REGISTER_MAX, 65536, 262144, 1048576):
@@ -376,9 +377,13 @@ def test_tuning_knobs_from_environment(monkeypatch):
     k = ks.knobs()
     assert k["unroll"] == 2 and k["programs_per_sm"] == 1 and k["fused_min_rows_per_sm"] == 1e9
     assert k["in_register_max"] == ks.IN_REGISTER_MAX  # untouched knobs keep the module's value
-    assert ks.plan(4, 10**6)["strategy"] == "split"
+    assert ks.plan(4, 2 * ks.COOPERATIVE_MAX)["strategy"] == "split"
     assert ks.plan(4, ks.COOP_BWD_MAX, backward=True)["strategy"] == "cooperative"
-    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,cooperative_max=100")
+    # The forward's cooperative path starts at COOP_FWD_MIN_BYTES per row.
+    n = ks.COOP_FWD_MIN_BYTES // 4
+    assert ks.plan(4, n, elem_bytes=4)["strategy"] == "cooperative"
+    assert ks.plan(4, n, elem_bytes=2)["strategy"] == "split"
+    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,cooperative_max=100,coop_fwd_min_bytes=0")
     assert ks.plan(4, 9)["strategy"] == "cooperative" and ks.plan(4, 8)["strategy"] == "registers"
     assert ks.plan(4, 101)["strategy"] == "fused"
     monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,coop_bwd_max=0,coop_block=128")
@@ -554,6 +559,92 @@ def test_streaming_extreme_values(strategy, log):
         assert torch.equal(y[2], torch.full_like(y[2], 1.0 / n))
 
 
+def _packed_rows(n, dtype, seed):
+    """Rows for the cooperative forward's packed 16-bit pairs: random; +-1000 alternating
+    (even / odd columns are the two halves of a word); a constant row; all -inf; one +inf;
+    one NaN; the max alone in the last column (the ragged last chunk); large and spread."""
+    x = randn(8, n, seed=seed, std=2.0)
+    x[1, ::2], x[1, 1::2] = 1000.0, -1000.0
+    x[2] = 7.0
+    x[3] = NEG_INF
+    x[4, n // 3] = POS_INF
+    x[5, min(n - 1, n // 2 + 1)] = NAN
+    x[6, -1] = 40.0
+    x[7] = randn(n, seed=seed + 1, std=3000.0)
+    return x.to(dtype).to(DEVICE)
+
+
+def _forward(x, scale, log, **override):
+    xm, mm, lead, sx, sm = _rows(x, x.dim() - 1, None)
+    return ks.softmax_forward(xm, mm, lead, sx, sm, xm.shape[-1], scale, log, x.dtype, **override)
+
+
+def _assert_packed(x, scale, log, **override):
+    """Forward and backward on the cooperative path, x (and y, g) held as 16-bit pairs."""
+    xm, _, _, sx, _ = _rows(x, x.dim() - 1, None)
+    assert ks._packing(xm, None, sx, xm.shape[-1], x.dtype) != ks.KIND_PLAIN.value
+    g = randn(*x.shape, dtype=x.dtype, seed=x.shape[-1] + 5).to(x.device)
+    y, dx = _launch(x, None, scale, log, x.dtype, g, strategy="cooperative", **override)
+    x64 = x.double().requires_grad_(True)
+    y64 = oracle(x64, -1, scale, None, log)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    eexp = exponent_error(x, -1, scale)
+    assert_fwd(y, y64, x.dtype, log, eexp=eexp)
+    # (log-softmax's gradient of the all -inf row 3 is not the oracle's 0: see above)
+    rows = [r for r in range(x.shape[0]) if not (log and r == 3)]
+    assert_grad(dx[rows], dx64[rows], y64.detach()[rows], g.double()[rows], -1, scale, log, x.dtype,
+                eexp=eexp[rows])
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_cooperative_packed_pairs(dtype, log):
+    """Unmasked contiguous 16-bit rows are held as pairs in int32 words, forward and backward:
+    both halves, every chunk, the padding of the last one, non-finite entries and any sign
+    of the scale."""
+    for n in (2, 34, 200):
+        x = _packed_rows(n, dtype, seed=n)
+        for scale in (0.7, -1.3, 0.0):
+            _assert_packed(x, scale, log, block=32)
+
+
+@needs_kernels
+def test_cooperative_forward_packing_choice():
+    """Pairs only where every row is contiguous, even and word-aligned, unmasked, and y has
+    x's dtype; everything else is held one element a word (and still correct)."""
+    x = randn(3, 200, dtype=BF16, seed=3)
+
+    def kind(t, mask=None, out=None):
+        tm, mm, _, st, _ = _rows(t, t.dim() - 1, mask)
+        return ks._packing(tm, mm, st, tm.shape[-1], out or t.dtype)
+
+    assert kind(x) == ks.KIND_BF16X2.value and kind(x.half()) == ks.KIND_F16X2.value
+    base = randn(3, 203, dtype=BF16, seed=4)
+    plain = {
+        "fp32": x.float(),
+        "odd length": x[:, :199],
+        "odd row stride": base[:, :200],
+        "odd start": base[:, 1:201],
+        "strided columns": randn(3, 400, dtype=BF16, seed=5)[:, ::2],
+        "column-major": randn(200, 3, dtype=BF16, seed=6).t(),
+    }
+    for name, t in plain.items():
+        assert kind(t) == ks.KIND_PLAIN.value, name
+        y = _forward(t, 0.9, False, strategy="cooperative", block=32)
+        assert_fwd(y, oracle(t, -1, 0.9), t.dtype, name=name)
+    assert kind(x, mask=torch.ones(3, 200, dtype=torch.bool, device=DEVICE)) == ks.KIND_PLAIN.value
+    assert kind(x, out=F32) == ks.KIND_PLAIN.value
+    # The backward: a gradient that starts off a word (a contiguous view at an odd offset).
+    y = _forward(x, 0.9, False, strategy="cooperative", block=32)
+    g = randn(3 * 200 + 1, dtype=BF16, seed=7)[1:].view(3, 200)
+    dx = ks.softmax_backward(y, g, None, (1, 1, 3), (0, 0, 0, 0), 0.9, False, BF16, strategy="cooperative", block=32)
+    x64 = x.double().requires_grad_(True)
+    y64 = oracle(x64, -1, 0.9)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    assert_grad(dx, dx64, y64.detach(), g.double(), -1, 0.9, False, BF16)
+
+
 @needs_kernels
 @pytest.mark.parametrize("path", ["cooperative", "fused", "split"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
@@ -565,6 +656,7 @@ def test_public_api_through_streaming_paths(monkeypatch, log, path):
     monkeypatch.setattr(ks, "IN_REGISTER_MAX", 64)
     if path == "cooperative":
         monkeypatch.setattr(ks, "COOPERATIVE_MAX", 1000)
+        monkeypatch.setattr(ks, "COOP_FWD_MIN_BYTES", 0)
     else:
         monkeypatch.setattr(ks, "COOP_BWD_MAX", 0)
     if path == "split":
@@ -1037,7 +1129,8 @@ def test_gpu_row_lengths(n, dtype, log):
 @pytest.mark.gpu
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
-def test_gpu_huge_rows_split(dtype, log):
+def test_gpu_huge_rows_split(dtype, log, monkeypatch):
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=0")
     x = randn(2, 4_194_304, dtype=dtype, device="cuda", seed=40)
     p = ks.plan(2, x.shape[1], elem_bytes=x.element_size())
     assert p["strategy"] == "split" and p["splits"] > 1
@@ -1048,14 +1141,32 @@ def test_gpu_huge_rows_split(dtype, log):
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
 def test_gpu_huge_rows_cooperative(dtype, log, monkeypatch):
-    """4M-element rows, cooperative both ways: the forward holds all 512 chunks of a row at
-    once (at the register cap); the backward's 1024 chunk programs cannot all be resident,
-    so it falls back to the split path."""
+    """4M-element rows, cooperative both ways: the forward holds all 256 (bf16) / 512 (fp32)
+    chunks of a row at once (at the register cap if need be); the backward's 1024 chunk
+    programs cannot all be resident, so it falls back to the split path."""
     monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304,coop_bwd_max=4194304")
     x = randn(2, 4_194_304, dtype=dtype, device="cuda", seed=40)
     p = ks.plan(2, x.shape[1], elem_bytes=x.element_size())
-    assert p["strategy"] == "cooperative" and p["splits"] == 4_194_304 // ks.COOP_BLOCK
+    assert p["strategy"] == "cooperative" and p["splits"] == 4_194_304 * x.element_size() // 32768
     _gpu_fwd_bwd(x, log=log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+@pytest.mark.parametrize("config", ["", "coop_fwd_maxnreg=80", "coop_fwd_maxnreg=0,coop_bwd_block=4096"])
+def test_gpu_cooperative_packed(config, dtype, log, monkeypatch):
+    """The packed kernels on the GPU (the forward's max taken on the packed words): even rows
+    with a ragged last chunk (65538: one word in the forward's fifth chunk, the rest NaN
+    padding), non-finite entries, every sign of the scale, under the register caps the
+    tuning sweep tries."""
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=262144,coop_fwd_min_bytes=0," + config)
+    for n in (65536, 65538):
+        x = _packed_rows(n, dtype, seed=n)
+        for scale in (0.7, -1.3, 0.0):
+            _assert_packed(x, scale, log)
+    x = randn(64, 65536, dtype=dtype, device="cuda", seed=48, std=2.0)  # many rows in flight
+    _gpu_fwd_bwd(x, scale=0.9, log=log)
 
 
 def _gpu_rows_for_fused():
@@ -1071,9 +1182,9 @@ def test_gpu_streaming_paths(n, log, dtype, path, monkeypatch):
     """Rows just past the in-register limit and past powers of two (ragged last tile, rows
     not 16-byte aligned), through each path both ways: cooperative, fused (enough rows) and
     forced split."""
-    monkeypatch.setenv(ks.TUNING_ENV, {"cooperative": "cooperative_max=1000000,coop_bwd_max=1000000",
-                                       "fused": "coop_bwd_max=0",
-                                       "split": "coop_bwd_max=0,fused_min_rows_per_sm=1000000"}[path])
+    monkeypatch.setenv(ks.TUNING_ENV, {"cooperative": "cooperative_max=1000000,coop_bwd_max=1000000,coop_fwd_min_bytes=0",
+                                       "fused": "cooperative_max=0,coop_bwd_max=0",
+                                       "split": "cooperative_max=0,coop_bwd_max=0,fused_min_rows_per_sm=1000000"}[path])
     rows = _gpu_rows_for_fused()
     x = randn(rows, n, dtype=dtype, device="cuda", seed=n + 1, std=3.0)
     assert ks.plan(rows, n, elem_bytes=x.element_size())["strategy"] == path
@@ -1084,7 +1195,8 @@ def test_gpu_streaming_paths(n, log, dtype, path, monkeypatch):
 @pytest.mark.parametrize("path", ["cooperative", "fused"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_gpu_masked_and_extreme_long_rows(log, path, monkeypatch):
-    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=65536" if path == "cooperative" else "coop_bwd_max=0")
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=65536,coop_fwd_min_bytes=0" if path == "cooperative"
+                       else "cooperative_max=0,coop_bwd_max=0")
     rows, n = _gpu_rows_for_fused(), 65536
     assert ks.plan(rows, n, elem_bytes=2)["strategy"] == path
     x = randn(rows, n, dtype=BF16, device="cuda", seed=45, std=2.0)
@@ -1109,8 +1221,8 @@ def test_gpu_tuning_knobs_keep_results(monkeypatch):
     x = randn(rows, 65537, dtype=BF16, device="cuda", seed=47)
     for config in ("coop_bwd_max=0,programs_per_sm=1", "coop_bwd_max=0,warps_per_sm=32,unroll=1",
                    "coop_bwd_max=0,evict=0,block=1024", "coop_bwd_max=0,stages=2",
-                   "cooperative_max=65537,coop_maxnreg=64", "cooperative_max=65537,coop_block=16384,coop_bwd_block=2048",
-                   "cooperative_max=65537,coop_warps=4"):
+                   "coop_fwd_min_bytes=0,coop_maxnreg=64", "coop_fwd_min_bytes=0,coop_block=16384,coop_bwd_block=2048",
+                   "coop_fwd_min_bytes=0,coop_warps=4", "coop_fwd_min_bytes=0,coop_pack=0,coop_fwd_maxnreg=0"):
         monkeypatch.setenv(ks.TUNING_ENV, config)
         _gpu_fwd_bwd(x, log=False)
 
