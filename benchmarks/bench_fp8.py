@@ -49,12 +49,12 @@ CHECK_LIMIT = 0.05  # relative RMS vs bf16; FP8 itself is ~0.02 at these shapes
 def parse_tiles(text: str):
     from flashtile.kernels.attention import _Config
 
-    bm, bn, warps, stages = (int(x) for x in text.split(","))
-    return _Config(bm, bn, warps, stages)
+    bm, bn, warps, stages, *maxnreg = (int(x) for x in text.split(","))
+    return _Config(bm, bn, warps, stages, maxnreg=maxnreg[0] if maxnreg else 0)
 
 
 def _tiles_label(cfg) -> str:
-    return f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+    return f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}" + (f",{cfg.maxnreg}" if cfg.maxnreg else "")
 
 
 def _inputs(batch, seqlen, nheads, nheads_k, headdim):
@@ -113,12 +113,11 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True)
                     runs.append(("fp8", "float8_e4m3fn", None,
                                  partial(flash_attn_fp8_func, q8, k8, v8, qd, kd, vd, causal=causal)))
                 # The default configuration always (default_tiles=True), then the sweep's others.
-                default = _tiles_label(fwd_config(padded_headdim(headdim), causal))
-                configs = [None, *(t for t in tiles or [] if _tiles_label(t) != default)]
                 for impl, v_in in (("fp8_pretransposed", v_t), ("fp8_v_in_kernel", v8)):
                     if impl not in impls:
                         continue
-                    for cfg in configs:
+                    default = _tiles_label(fwd_config(padded_headdim(headdim), causal, v_in is v_t))
+                    for cfg in [None, *(t for t in tiles or [] if _tiles_label(t) != default)]:
                         kernel = partial(attention_fp8_forward, q8, k8, v_in, qd, kd, vd, scale, causal=causal,
                                          v_transposed=v_in is v_t, config=cfg)
                         runs.append((impl, "float8_e4m3fn", cfg, kernel))
@@ -127,7 +126,8 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True)
                 for impl, dtype, cfg, fn in runs:
                     rec = {**base, "impl": impl, "dtype": dtype}
                     if impl in ("fp8_pretransposed", "fp8_v_in_kernel"):
-                        rec["tiles"] = _tiles_label(cfg) if cfg is not None else default
+                        rec["tiles"] = _tiles_label(cfg) if cfg is not None else \
+                            _tiles_label(fwd_config(padded_headdim(headdim), causal, impl == "fp8_pretransposed"))
                         rec["default_tiles"] = cfg is None
                     try:
                         out = fn()
@@ -170,6 +170,46 @@ def print_summary(records):
               f"{t.get('v_transpose', nan):14.3f} | {ratio:.2f}x")
 
 
+def plot(records, path, pretransposed_tiles=None):
+    """TFLOP/s against seqlen, one panel per head dim: bf16, the public FP8 function and the
+    FP8 kernel (V pre-transposed) with its default tiles -- or, for head dims listed in
+    ``pretransposed_tiles`` ({headdim: "BM,BN,warps,stages"}), the records with those tiles;
+    solid non-causal, dashed causal."""
+    from flashtile.bench.common import save_figure, subplots
+
+    pretransposed_tiles = pretransposed_tiles or {}
+
+    def wanted(r):
+        if r["impl"] != "fp8_pretransposed":
+            return r["impl"] in ("bf16", "fp8")
+        if r["headdim"] in pretransposed_tiles:
+            return r["tiles"] == pretransposed_tiles[r["headdim"]]
+        return r.get("default_tiles", False)
+
+    rows = [r for r in records if r.get("tflops") and wanted(r)]
+    headdims = sorted({r["headdim"] for r in rows})
+    fig, axes = subplots(1, len(headdims), figsize=(5 * len(headdims), 4), squeeze=False)
+    colors = {"bf16": "tab:blue", "fp8": "tab:orange", "fp8_pretransposed": "tab:red"}
+    labels = {"bf16": "flashtile bf16", "fp8": "flashtile fp8 (flash_attn_fp8_func)",
+              "fp8_pretransposed": "fp8 kernel, V pre-transposed"}
+    for ax, d in zip(axes[0], headdims):
+        for impl in colors:
+            for causal, style in ((False, "-"), (True, "--")):
+                pts = sorted((r["seqlen_q"], r["tflops"]) for r in rows
+                             if r["impl"] == impl and r["headdim"] == d and r["causal"] == causal)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", color=colors[impl],
+                            label=f"{labels[impl]}{' causal' if causal else ''}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("seqlen (batch x seqlen = 16k)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"FP8 attention forward, d = {d}")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
 # --------------------------------------------------------------------------------------
 # Offline sm_90 compile report (no GPU)
 # --------------------------------------------------------------------------------------
@@ -195,8 +235,7 @@ def compile_sm90(cfg, headdim_pad: int, causal: bool, offset: int = 8, v_transpo
               "V_TRANSPOSED": v_transposed, "EXACT_ROUNDING": False}
     sig.update({name: "constexpr" for name in consts})
     src = triton.compiler.ASTSource(fn=kf8._attn_fwd_fp8, signature=sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=cfg.launch_options())
 
 
 def ptxas_report(kernel) -> dict:
@@ -241,12 +280,22 @@ def main():
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
     ap.add_argument("--tiles", nargs="+", type=parse_tiles, default=None,
-                    help="BLOCK_M,BLOCK_N,warps,stages configurations to sweep for the two kernel variants")
+                    help="BLOCK_M,BLOCK_N,warps,stages[,maxnreg] configurations to sweep for the two kernel variants")
     ap.add_argument("--gqa", type=int, default=1, help="nheads / nheads_k (default 1: MHA)")
     ap.add_argument("--ptxas", action="store_true", help="compile for sm_90 offline and report; no GPU needed")
+    ap.add_argument("--plot-from", default=None, metavar="JSONL",
+                    help="no GPU: draw attention_fp8.png in --out from these records")
+    ap.add_argument("--plot-tiles", nargs="*", default=[], metavar="D=BM,BN,W,S",
+                    help="with --plot-from: the pre-transposed kernel's tiles to plot for head dim D")
     args = ap.parse_args()
     if args.ptxas:
         ptxas_main(args.tiles, args.headdims, args.causal)
+        return
+    if args.plot_from:
+        from flashtile.bench.common import read_jsonl
+
+        tiles = {int(d): t for d, t in (item.split("=") for item in args.plot_tiles)}
+        plot(read_jsonl(args.plot_from), Path(args.out) / "attention_fp8.png", tiles)
         return
     if not torch.cuda.is_available():
         sys.exit("bench_fp8.py times a CUDA GPU (use --ptxas for the offline compile report)")
@@ -259,6 +308,10 @@ def main():
     records = run(args.seqlens, args.headdims, args.causal, impls, args.tiles, args.gqa)
     path = write_jsonl(Path(args.out) / "attention_fp8.jsonl", records)
     print_summary(records)
+    try:
+        plot(records, Path(args.out) / "attention_fp8.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
     best = {}
     for r in records:
         if "tiles" in r and r["rel_err"] <= CHECK_LIMIT:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
 # everything under $OUT into ONE archive (the device tool drops files past a small count).
-#   bash benchmarks/gpu_session.sh [part ...]     parts: tests attention softmax softmax_tests tune_softmax
+#   bash benchmarks/gpu_session.sh [part ...]     parts: tests all_tests attention softmax softmax_tests tune_softmax
 #                                                 features decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
@@ -26,6 +26,7 @@ run() {  # run NAME LIMIT_S COMMAND...
 for part in $parts; do
   case $part in
     tests) run gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
+    all_tests) run all_tests 590 python3 -m pytest tests -q -p no:cacheprovider -p no:warnings ;;  # unmarked tests run on CUDA too
     attention) run attention 420 python3 -m flashtile.bench.gpu --out "$RES" ;;
     softmax) run softmax 120 python3 -m flashtile.bench.softmax --out "$RES" ;;
     softmax_tests) run softmax_tests 220 python3 -m pytest tests/kernels/test_softmax_kernels.py -m gpu -q \
@@ -46,7 +47,9 @@ for part in $parts; do
                     --caches 1024 8192 32768 --paged 0 16 --block-n 0 --warps 4 --stages 3 --extra pdl=$pdl; done ;;
     tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --paged 0 16 --warps 4 \
                    --stages 2 3 4 --extra programs_per_sm=1 programs_per_sm=2 --out "$RES/tune_decode.jsonl" ;;
-    fp8) run fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 16384 --out "$RES"
+    fp8) run fp8 240 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 8192 16384 --out "$RES"
+         run fp8_repeat 90 python3 benchmarks/bench_fp8.py --headdims 128 --seqlens 4096 8192 16384 \
+           --impls bf16,fp8_pretransposed --out "$RES/fp8_repeat"  # the run-to-run spread
          run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
     ring) run ring 90 python3 -m torch.distributed.run --standalone --nproc_per_node=${RING_GPUS:-1} benchmarks/bench_ring.py \
             --seqlens 32k 64k 128k --out "$RES" ;;

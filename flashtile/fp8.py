@@ -50,7 +50,12 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     padded = -(-seqlen_k // 16) * 16
     buf = torch.empty(batch, nheads_k, headdim, padded, dtype=v.dtype, device=v.device)
     out = buf[..., :seqlen_k]
-    out.copy_(v.permute(0, 2, 3, 1))
+    if v.is_cuda and v.element_size() == 1 and v.numel():
+        from flashtile.kernels.attention_fp8 import transpose_v_into
+
+        transpose_v_into(v, out)
+    else:
+        out.copy_(v.permute(0, 2, 3, 1))
     return out
 
 

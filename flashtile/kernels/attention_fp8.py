@@ -128,8 +128,11 @@ def _fp8_fwd_tiles(
             # Head dim contiguous: Triton transposes the tile through registers into a second
             # shared-memory buffer before the wgmma, on every tile of every program.
             v = V_desc.load([b, start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(_to_e4m3(p, EXACT_ROUNDING), v, acc)
+        # A fresh accumulator per tile, added in fp32: Hopper's FP8 wgmma accumulates at
+        # reduced precision, so chaining every tile's P V into one wgmma accumulator drops
+        # the small terms of a long row (H200, peaked scores with V = N(1, 1): mean error
+        # -4.0e-2 either way, the max offset's gain lost; h200_session6/fp8_accuracy_*.log).
+        acc = acc * alpha[:, None] + tl.dot(_to_e4m3(p, EXACT_ROUNDING), v)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -189,17 +192,58 @@ def padded_headdim(d: int) -> int:
     return max(32, next_power_of_2(d))
 
 
-def fwd_config(head_dim_pad: int, causal: bool, interpret: bool = INTERPRET) -> _Config:
-    """Default tiles: FP8 wants wide key tiles (BLOCK_N = 128 is four k-steps of the PV wgmma)
-    and two warpgroups of 64 query rows each (BLOCK_M = 128, 8 warps).  The register budget
-    is the accumulator (BLOCK_M * HEAD_DIM fp32) plus the score tile (BLOCK_M * BLOCK_N fp32):
-    at HEAD_DIM = 256 the key tile halves to stay clear of spills (benchmarks/kernel_report.py).
+def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, interpret: bool = INTERPRET) -> _Config:
+    """Default tiles, measured on an H200 (benchmarks/results/h200_session6/fp8_*.log).
+
+    V pre-transposed, d <= 128: one warpgroup per program (64 query rows, 4 warps, 128-key
+    tiles) at <= 236 registers and <= 104 KB of shared memory, so two programs share an SM
+    and one's exp2s run while the other's wgmmas do -- the overlap that one 8-warp program
+    of 128 rows, whose two warpgroups move in step, does not get (d = 128, N = 4k: 781
+    TFLOP/s against 629 for (128, 128, 8, 3)).  At d = 256 the per-tile P V accumulator
+    (see ``_fp8_fwd_tiles``) and the output accumulator are 128 registers each at 4 warps,
+    which spills; 8 warps over 64 rows measured best (474 TFLOP/s at N = 16k; 347 for the
+    spilling (64, 64, 4, 3)).  Transposing V tiles in the kernel keeps the 8-warp tiles: at
+    4 warps that variant ran at 188 TFLOP/s (d = 128) where (128, 128, 8, 3) ran at 266.
     """
     if interpret:
         return _Config(16, 32, 4, 1)
+    if not v_transposed:
+        return _Config(128, 128, 8, 3) if head_dim_pad <= 128 else _Config(128, 64, 8, 2)
     if head_dim_pad <= 128:
-        return _Config(128, 128, 8, 3)
-    return _Config(128, 64, 8, 2)
+        return _Config(64, 128, 4, 3)
+    return _Config(64, 64, 8, 3)
+
+
+@triton.jit
+def _transpose_v_kernel(V, VT, seqlen_k, nheads_k, headdim, s_vb, s_vn, s_vh, s_vd, s_tb, s_th, s_td,
+                        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One tile of ``VT[b, h, dims, keys] = V[b, keys, h, dims]`` (bytes): a 2-D transpose per
+    (batch, kv head), through shared memory so that both the loads (along the head dim) and
+    the stores (along the keys) stay contiguous."""
+    bh = tl.program_id(2)
+    b = (bh // nheads_k).to(tl.int64)
+    h = (bh % nheads_k).to(tl.int64)
+    keys = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (keys[:, None] < seqlen_k) & (dims[None, :] < headdim)
+    tile = tl.load(V + b * s_vb + h * s_vh + keys[:, None].to(tl.int64) * s_vn + dims[None, :] * s_vd, mask=ok)
+    dst = VT + b * s_tb + h * s_th + dims[:, None].to(tl.int64) * s_td + keys[None, :]
+    tl.store(dst, tl.trans(tile), mask=tl.trans(ok))
+
+
+def transpose_v_into(v: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[b, h, d, n] = v[b, n, h, d]`` for one-byte ``v`` (any strides) and ``out`` with
+    unit key stride: the kernel behind ``flashtile.fp8.transpose_v`` on the GPU (a torch
+    permute-copy of fp8 ran at ~0.37 TB/s; docs/fp8.md)."""
+    batch, seqlen_k, nheads_k, headdim = v.shape
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must have unit stride along the keys, got strides {tuple(out.stride())}")
+    vb, tb = v.view(torch.uint8), out.view(torch.uint8)  # bytes: no fp8 arithmetic happens here
+    block_k = 16 if INTERPRET else 128
+    block_d = min(16 if INTERPRET else 128, next_power_of_2(headdim))
+    grid = (cdiv(seqlen_k, block_k), cdiv(headdim, block_d), batch * nheads_k)
+    _transpose_v_kernel[grid](vb, tb, seqlen_k, nheads_k, headdim, *vb.stride(), tb.stride(0), tb.stride(1),
+                              tb.stride(2), BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4)
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
@@ -226,7 +270,7 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     hd = padded_headdim(d)
-    cfg = config or fwd_config(hd, causal)
+    cfg = config or fwd_config(hd, causal, v_transposed)
     q_, k_ = _tma_ready(q), _tma_ready(k)
     if v_transposed:
         if not _tma_aligned(v):
@@ -245,6 +289,6 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
         OFFSET=MAX_OFFSET if max_offset else 0, V_TRANSPOSED=bool(v_transposed), EXACT_ROUNDING=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.launch_options(),
     )
     return out, lse

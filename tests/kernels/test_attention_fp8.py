@@ -206,6 +206,23 @@ def test_misaligned_transposed_v_is_rejected():
     assert aligned.shape == (1, 1, 32, 20) and aligned.stride() == (32 * 32, 32 * 32, 32, 1)
 
 
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16), (2, 17, 3, 40), (1, 1000, 2, 80), (2, 300, 2, 256)], ids=str)
+def test_transpose_v_kernel(shape):
+    """The byte transpose behind ``transpose_v`` on the GPU: every element, ragged key and
+    head-dim tiles, a strided (sliced) source, and no write past the keys."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    big = torch.randint(0, 255, (shape[0], shape[1], shape[2] + 1, shape[3]), generator=gen, dtype=torch.uint8)
+    v = big.to(DEVICE).view(torch.float8_e4m3fn)[:, :, 1:]  # heads sliced: not contiguous
+    padded = -(-shape[1] // 16) * 16
+    buf = torch.full((shape[0], shape[2], shape[3], padded), 7, dtype=torch.uint8, device=DEVICE)
+    out = buf.view(torch.float8_e4m3fn)[..., : shape[1]]
+    kf8.transpose_v_into(v, out)
+    want = v.view(torch.uint8).permute(0, 2, 3, 1)
+    assert torch.equal(out.view(torch.uint8), want)
+    assert (buf[..., shape[1]:] == 7).all()
+
+
 @needs_interpreter
 def test_interpreter_rounding_matches_torch():
     """The interpreter-only rounding helpers against torch's casts (round to nearest even),
