@@ -198,12 +198,13 @@ def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, inter
     V pre-transposed, d <= 128: one warpgroup per program (64 query rows, 4 warps, 128-key
     tiles) at <= 236 registers and <= 104 KB of shared memory, so two programs share an SM
     and one's exp2s run while the other's wgmmas do -- the overlap that one 8-warp program
-    of 128 rows, whose two warpgroups move in step, does not get (d = 128, N = 4k: 781
-    TFLOP/s against 629 for (128, 128, 8, 3)).  At d = 256 the per-tile P V accumulator
-    (see ``_fp8_fwd_tiles``) and the output accumulator are 128 registers each at 4 warps,
-    which spills; 8 warps over 64 rows measured best (474 TFLOP/s at N = 16k; 347 for the
-    spilling (64, 64, 4, 3)).  Transposing V tiles in the kernel keeps the 8-warp tiles: at
-    4 warps that variant ran at 188 TFLOP/s (d = 128) where (128, 128, 8, 3) ran at 266.
+    of 128 rows, whose two warpgroups move in step, does not get (d = 128, N = 16k, one run
+    before the accumulation fix below: 864 TFLOP/s against 606 for (128, 128, 8, 3)).  At
+    d = 256 the per-tile P V accumulator (see ``_fp8_fwd_tiles``) and the output
+    accumulator are 128 registers each at 4 warps, which spills; 8 warps over 64 rows
+    measured best (474 TFLOP/s at N = 16k; 347 for the spilling (64, 64, 4, 3)).
+    Transposing V tiles in the kernel keeps the 8-warp tiles: at 4 warps that variant ran
+    at 176-190 TFLOP/s (d = 128), with (128, 128, 8, 3) at 235-268.
     """
     if interpret:
         return _Config(16, 32, 4, 1)

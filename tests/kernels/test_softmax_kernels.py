@@ -1142,8 +1142,9 @@ def test_gpu_huge_rows_split(dtype, log, monkeypatch):
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
 def test_gpu_huge_rows_cooperative(dtype, log, monkeypatch):
     """4M-element rows, cooperative both ways: the forward holds all 256 (bf16) / 512 (fp32)
-    chunks of a row at once (at the register cap if need be); the backward's 1024 chunk
-    programs cannot all be resident, so it falls back to the split path."""
+    chunks of a row at once (at its 64-register cap); the backward's 512 chunk programs run
+    cooperatively if they can all be resident (at the 64-register fallback), else on the
+    split path."""
     monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304,coop_bwd_max=4194304")
     x = randn(2, 4_194_304, dtype=dtype, device="cuda", seed=40)
     p = ks.plan(2, x.shape[1], elem_bytes=x.element_size())
