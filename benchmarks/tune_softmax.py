@@ -83,8 +83,8 @@ def _describe(p):
     if p["strategy"] == "registers":
         return f"registers w{p['num_warps']}"
     if p["strategy"] == "cooperative":
-        return (f"cooperative {p['BLOCK_N']} w{p['num_warps']} s{p['splits']}" + (f" r{p['maxnreg']}" if p["maxnreg"] else "")
-                + ("" if p["pack"] else " unpacked"))
+        cap = f" r{p['maxnreg']}" if p["maxnreg"] else ""
+        return f"cooperative {p['BLOCK_N']} w{p['num_warps']} s{p['splits']}{cap}" + ("" if p["pack"] else " unpacked")
     extra = f"p{p['programs']}" if p["strategy"] == "fused" else f"s{p['splits']}"
     return f"{p['strategy']} {p['BLOCK_N']}x{p['UNROLL']} w{p['num_warps']} {extra}"
 
@@ -188,7 +188,7 @@ ONES = {"sxc", "smc", "L1"}  # contiguous rows: Triton specializes arguments equ
 ALIGNED = {"n_cols", "n_words", "chunk", "L2", "sx0", "sx1", "sx2", "sm0", "sm1", "sm2"}  # multiples of 16
 
 
-def compile_for_sm90(fn, dtype, constexprs, num_warps, num_stages=3):
+def compile_for_sm90(fn, dtype, constexprs, num_warps, num_stages=3, maxnreg=0):
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -208,8 +208,10 @@ def compile_for_sm90(fn, dtype, constexprs, num_warps, num_stages=3):
             if name in ALIGNED:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                           "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg  # ptxas -v then reports the capped count and its spills
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptx_report(kernel, num_warps) -> dict:
@@ -274,13 +276,13 @@ def report(configs, dtypes):
             p = ks.plan(1024, 262144, strategy="cooperative", backward=backward, elem_bytes=elem)
             w = p["num_warps"]
             for log, mask_kind in ((False, 0), (True, 0), (False, 1), (False, 2)):
-                consts = dict(LOG=log, MASK_KIND=mask_kind, SPLITS=p["SPLITS"], PHASE=0)
-                if backward:
-                    consts["BLOCK_N"] = p["BLOCK_N"]
-                else:  # the forward holds 16-bit inputs as pairs in int32 words
-                    pairs = 2 if elem == 2 else 1
+                # Unmasked 16-bit rows are held as pairs in int32 words (the launchers' _packing).
+                kind = ks.KIND_PLAIN.value
+                if mask_kind == 0:
                     kind = {"bf16": ks.KIND_BF16X2, "fp16": ks.KIND_F16X2}.get(dtype, ks.KIND_PLAIN).value
-                    consts.update(KIND=kind, WORDS=p["BLOCK_N"] // pairs, ASM=True)
+                pairs = 1 if kind == ks.KIND_PLAIN.value else 2
+                consts = dict(LOG=log, MASK_KIND=mask_kind, SPLITS=p["SPLITS"], PHASE=0, KIND=kind,
+                              WORDS=p["BLOCK_N"] // pairs, ASM=True)
                 yield (f"cooperative chunk={p['BLOCK_N']} warps={w} {'bwd' if backward else 'fwd'} log={int(log)} "
                        f"mask={mask_kind}", fn, consts, w)
         for n_cols in (16384, 32768):
@@ -292,8 +294,12 @@ def report(configs, dtypes):
     for config in configs:
         os.environ[ks.TUNING_ENV] = config
         for dtype in dtypes:
-            for name, fn, consts, w in variants(dtype, ks.knobs()):
-                r = ptx_report(compile_for_sm90(fn, dtype, consts, w), w)
+            k = ks.knobs()
+            for name, fn, consts, w in variants(dtype, k):
+                # The cooperative kernels' register caps, as their plan() sets them.
+                maxnreg = {ks._softmax_fwd_cooperative: k["coop_fwd_maxnreg"] or k["coop_maxnreg"],
+                           ks._softmax_bwd_cooperative: k["coop_maxnreg"]}.get(fn, 0)
+                r = ptx_report(compile_for_sm90(fn, dtype, consts, w, maxnreg=maxnreg), w)
                 print(f"{config or 'defaults':<16} {dtype:<5} {name:<52} " +
                       " ".join(f"{key}={val}" for key, val in r.items()), flush=True)
         os.environ.pop(ks.TUNING_ENV, None)

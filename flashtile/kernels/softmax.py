@@ -150,7 +150,7 @@ COOP_PACK = 1
 # 4M-element row fits on an H200's 132 SMs; masked variants spill ~100 B at this cap).
 # The forward's own cap, COOP_FWD_MAXNREG, overrides it for the forward: ptxas front-loads
 # the exp2 arguments (~125 registers for 32 packed words a thread), and 4 programs per SM
-# at 64 registers measured fastest despite ~330 B of spills (bf16 256k: 0.68 of the copy
+# at 64 registers measured fastest despite ~100 B of spills (bf16 256k: 0.68 of the copy
 # rate against 0.60 uncapped; fp32, which does not spill at 64, 0.78 against 0.72).
 COOP_MAXNREG = 0
 COOP_FWD_MAXNREG = 64
@@ -836,13 +836,17 @@ def streaming_strategy(n_rows: int) -> str:
 
 def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | None = None,
          splits: int | None = None, unroll: int | None = None, programs: int | None = None,
-         elem_bytes: int = 4, reread_bytes: int | None = None, backward: bool = False):
+         elem_bytes: int = 4, reread_bytes: int | None = None, backward: bool = False,
+         masked: bool = False):
     """Pick the strategy and its launch shape for (n_rows, n_cols).
 
     ``elem_bytes`` is the size of the streamed tensors' elements (sub-tiles are one 16-byte
     vector per thread); ``reread_bytes`` the bytes per row that pass 2 reads again (default
     ``n_cols * elem_bytes``), which sets how many rows the fused path keeps in flight;
-    ``backward`` picks the backward's chunk size on the cooperative path.
+    ``backward`` picks the backward's chunk size on the cooperative path; ``masked`` (the
+    forward has a mask) keeps the forward off the cooperative path by default: its masked
+    variants spill 0.9-1.6 KB a thread at the 64-register cap (offline ptxas) and were not
+    measured there.
     ``strategy``, ``block`` (sub-tile elements; cooperative: chunk elements), ``unroll``
     (sub-tiles per iteration), ``splits`` (chunks per row, split path) and ``programs``
     (persistent grid, fused and cooperative paths; still capped by occupancy at launch)
@@ -854,7 +858,8 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
     if backward:
         cooperative = n_cols <= k["coop_bwd_max"]
     else:
-        cooperative = k["coop_fwd_min_bytes"] <= n_cols * elem_bytes and n_cols <= k["cooperative_max"]
+        cooperative = (not masked and k["coop_fwd_min_bytes"] <= n_cols * elem_bytes
+                       and n_cols <= k["cooperative_max"])
     if strategy is None:
         if n_cols <= k["in_register_max"]:
             strategy = "registers"
@@ -1026,7 +1031,8 @@ def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, lo
     L1, L2 = lead_shape[1], lead_shape[2]
     sx, sm = x_strides, m_strides
     reread = n_cols * (x.element_size() + (mask.element_size() if mask is not None else 0))
-    p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, x.element_size(), reread)
+    p = plan(n_rows, n_cols, strategy, block, splits, unroll, programs, x.element_size(), reread,
+             masked=mask is not None)
     scale_log2 = scale * LOG2E
     if p["strategy"] == "registers":
         grid = (cdiv(n_rows, p["ROWS"]),)

@@ -383,6 +383,8 @@ def test_tuning_knobs_from_environment(monkeypatch):
     n = ks.COOP_FWD_MIN_BYTES // 4
     assert ks.plan(4, n, elem_bytes=4)["strategy"] == "cooperative"
     assert ks.plan(4, n, elem_bytes=2)["strategy"] == "split"
+    assert ks.plan(4, n, elem_bytes=4, masked=True)["strategy"] == "split"  # masked rows stream
+    assert ks.plan(4, n, elem_bytes=4, masked=True, strategy="cooperative")["strategy"] == "cooperative"
     monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,cooperative_max=100,coop_fwd_min_bytes=0")
     assert ks.plan(4, 9)["strategy"] == "cooperative" and ks.plan(4, 8)["strategy"] == "registers"
     assert ks.plan(4, 101)["strategy"] == "fused"
@@ -1199,7 +1201,9 @@ def test_gpu_masked_and_extreme_long_rows(log, path, monkeypatch):
     monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=65536,coop_fwd_min_bytes=0" if path == "cooperative"
                        else "cooperative_max=0,coop_bwd_max=0")
     rows, n = _gpu_rows_for_fused(), 65536
-    assert ks.plan(rows, n, elem_bytes=2)["strategy"] == path
+    # A masked forward streams either way (see plan()); the backward takes `path`.
+    assert ks.plan(rows, n, elem_bytes=2, masked=True)["strategy"] == "fused"
+    assert ks.plan(rows, n, elem_bytes=2, backward=True)["strategy"] == path
     x = randn(rows, n, dtype=BF16, device="cuda", seed=45, std=2.0)
     x[0] = 1000.0
     x[1, ::2], x[1, 1::2] = 1000.0, -1000.0
