@@ -220,7 +220,12 @@ def _logits(X, MASK, x_off, m_off, cols, ok, sxc, smc, MASK_KIND: tl.constexpr, 
     mask stays hidden, and a negative scale cannot turn the padding into +inf).
     """
     x = tl.load(X + x_off + cols * sxc, mask=ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
-    bias = tl.where(ok, 0.0, float("-inf"))
+    return _apply_mask(x, tl.where(ok, 0.0, float("-inf")), MASK, m_off, cols, ok, smc, MASK_KIND, POLICY)
+
+
+@triton.jit
+def _apply_mask(x, bias, MASK, m_off, cols, ok, smc, MASK_KIND: tl.constexpr, POLICY: tl.constexpr):
+    """Fold the mask of ``cols`` into ``(x, bias)``: the one mask rule of every forward kernel."""
     if MASK_KIND == 1:  # boolean, True = keep
         keep = tl.load(MASK + m_off + cols * smc, mask=ok, other=0, eviction_policy=POLICY) != 0
         bias = tl.where(keep, bias, float("-inf"))
@@ -511,16 +516,9 @@ def _chunk_logits(w, h: tl.constexpr, MASK, m_off, idx, ok, smc,
     ``NAN_PADDED``: the padding was loaded as NaN and the caller drops it (bias 0 here)."""
     x = _unpack(w, h, KIND)
     if NAN_PADDED:
-        bias = 0.0
+        bias = 0.0  # pairs are never masked
     else:
-        bias = tl.where(ok, 0.0, float("-inf"))
-    if MASK_KIND == 1:
-        keep = tl.load(MASK + m_off + idx * smc, mask=ok, other=0, eviction_policy=POLICY) != 0
-        bias = tl.where(keep, bias, float("-inf"))
-        x = tl.where(keep, x, 0.0)
-    elif MASK_KIND == 2:
-        add = tl.load(MASK + m_off + idx * smc, mask=ok, other=0.0, eviction_policy=POLICY)
-        bias = bias + add.to(tl.float32) * 1.4426950408889634
+        x, bias = _apply_mask(x, tl.where(ok, 0.0, float("-inf")), MASK, m_off, idx, ok, smc, MASK_KIND, POLICY)
     return x, bias
 
 
@@ -845,7 +843,7 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
     ``n_cols * elem_bytes``), which sets how many rows the fused path keeps in flight;
     ``backward`` picks the backward's chunk size on the cooperative path; ``masked`` (the
     forward has a mask) keeps the forward off the cooperative path by default: its masked
-    variants spill 0.9-1.6 KB a thread at the 64-register cap (offline ptxas) and were not
+    variants spill 0.3-1.6 KB a thread at the 64-register cap (offline ptxas) and were not
     measured there.
     ``strategy``, ``block`` (sub-tile elements; cooperative: chunk elements), ``unroll``
     (sub-tiles per iteration), ``splits`` (chunks per row, split path) and ``programs``
