@@ -41,6 +41,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.kernels.dropout import dropout_scale
+from flashtile.kernels.engine import forward_engine
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 from flashtile.kernels.runtime import INTERPRET, cdiv, next_power_of_2
 
@@ -275,7 +276,9 @@ def _attn_fwd(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     tl.store(LSE + lse_row + offs_m, lse, mask=offs_m < seqlen_q)
-    _store_tile(O_desc, O, b, q_start + m0, h, acc * inv_l[:, None], q_start + seqlen_q, VARLEN)
+    # Selected, not multiplied: acc may hold 0 * inf = NaN from a masked key's V.
+    _store_tile(O_desc, O, b, q_start + m0, h, tl.where(empty[:, None], 0.0, acc * inv_l[:, None]),
+                q_start + seqlen_q, VARLEN)
 
 
 # --------------------------------------------------------------------------------------
@@ -650,13 +653,16 @@ class _Layout:
     def prepare(self, t):
         return _tma_ready(t)
 
-    def tiles(self, t, rows, hd):
+    def tiles(self, t, rows, hd, make=None):
+        """A ``[1, rows, 1, hd]``-box descriptor over ``t`` (``make``: the descriptor factory,
+        default ``_descriptor``; the Gluon kernels pass theirs)."""
+        make = make or _descriptor
         if not self.varlen:
-            return _descriptor(t, rows, hd)
+            return make(t, rows, hd)
         if t.shape[0] == 0:
             # A descriptor needs a non-empty shape; with no rows no program reads or writes one.
             t = t.new_zeros((1, *t.shape[1:]))
-        return _descriptor(t.unsqueeze(0), rows, hd)
+        return make(t.unsqueeze(0), rows, hd)
 
     def seq_args(self, placeholder):
         cu_q = self.cu_q if self.varlen else placeholder
@@ -670,6 +676,10 @@ def _unpad(x, d):
 
 
 def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes, dropout):
+    if config is None and forward_engine(q, k, dropout, softcap, alibi_slopes) == "gluon":
+        from flashtile.kernels.hopper import attention_fwd
+
+        return attention_fwd.forward(layout, q, k, v, softmax_scale, window_left, window_right)
     d = q.shape[-1]
     hd = _padded_headdim(d)
     cfg = config or _fwd_config(hd, q.dtype, window_right >= 0)

@@ -1,0 +1,82 @@
+"""Which GPU engine runs an attention forward: the one dispatch rule.
+
+Two engines compute the same attention on CUDA tensors:
+
+* ``gluon`` -- the Hopper kernels of ``flashtile/kernels/hopper/`` (warp-specialised,
+  asynchronous wgmma), for what they cover: an sm_90 GPU, Triton 3.6, float16 / bfloat16,
+  head dims 33-256, no dropout, softcap or ALiBi;
+* ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention.py``, for
+  everything (any CUDA GPU, Triton's interpreter, every feature).
+
+``auto`` (the default) takes ``gluon`` where it applies and ``triton`` elsewhere.  The
+environment variable ``FLASHTILE_ENGINE`` (``auto``, ``gluon`` or ``triton``) overrides the
+choice for tests and A/B benchmarks; forcing ``gluon`` on a call it cannot run raises
+``NotImplementedError`` naming the reason instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from flashtile.kernels.runtime import INTERPRET
+
+ENGINE_ENV = "FLASHTILE_ENGINE"
+ENGINES = ("auto", "gluon", "triton")
+
+
+def requested_engine() -> str:
+    value = os.environ.get(ENGINE_ENV, "auto").strip().lower() or "auto"
+    if value not in ENGINES:
+        raise ValueError(f"{ENGINE_ENV} must be one of {ENGINES}, got {value!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason(device_index: int) -> str | None:
+    if INTERPRET:
+        return "Triton's interpreter runs no Gluon kernels"
+    from flashtile.kernels.hopper import gluon_available
+
+    if not gluon_available():
+        return "this Triton has no supported Gluon (the Hopper kernels pin Triton 3.6)"
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return "the Gluon kernels are written for sm_90 (Hopper)"
+    return None
+
+
+def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes) -> str | None:
+    """Why the Gluon forward cannot take this call, or None when it can."""
+    if not q.is_cuda:
+        return "the tensors are not on a CUDA device"
+    reason = _device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if reason:
+        return reason
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (the Gluon forward takes float16 / bfloat16)"
+    if not 32 < q.shape[-1] <= 256:
+        return f"head dim {q.shape[-1]} (the Gluon forward takes 33-256)"
+    if k.dim() == 4 and k.shape[1] == 0:
+        return "no keys (a TMA descriptor needs a non-empty tensor)"
+    if dropout is not None:
+        return "dropout"
+    if softcap > 0:
+        return "softcap"
+    if alibi_slopes is not None:
+        return "ALiBi"
+    return None
+
+
+def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None) -> str:
+    """``"gluon"`` or ``"triton"`` for an attention forward on ``q``'s device."""
+    wanted = requested_engine()
+    if wanted == "triton":
+        return "triton"
+    reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes)
+    if reason is None:
+        return "gluon"
+    if wanted == "gluon":
+        raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon forward cannot run this call: {reason}")
+    return "triton"

@@ -1,0 +1,26 @@
+"""Gluon kernels for Hopper (sm_90a): warp-specialised, asynchronous-wgmma attention.
+
+Gluon (``triton.experimental.gluon``) is Triton's explicit-layout dialect: the kernel says
+which warps hold which rows, which shared-memory buffers the TMA engine fills, and when the
+tensor cores are waited on.  It is not run by Triton's interpreter, and its API moves between
+Triton releases, so everything written in it lives in this package and is pinned to the
+Triton version in ``SUPPORTED_TRITON``; other versions fall back to the ``tl.*`` kernels.
+"""
+
+from __future__ import annotations
+
+import triton
+
+# The Gluon names used here were checked against this release (its API is experimental).
+SUPPORTED_TRITON = ("3.6.",)
+
+
+def gluon_available() -> bool:
+    """True when this Triton ships the Gluon API the Hopper kernels are written against."""
+    if not triton.__version__.startswith(SUPPORTED_TRITON):
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True

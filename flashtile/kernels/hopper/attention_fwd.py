@@ -1,0 +1,338 @@
+"""FlashAttention forward for Hopper in Gluon: a TMA producer warp and two consumer warpgroups.
+
+One program computes a ``BLOCK_M = 128``-row query tile of one (batch, head), split between
+three partitions that share shared memory and talk through mbarriers:
+
+* **producer** (1 warp, few registers): TMA-loads the query tile once, then streams the
+  key and value tiles through a ``NUM_STAGES``-deep ring of shared-memory slots.  Each slot
+  has a *ready* barrier (TMA completion, byte-counted) and an *empty* barrier (both consumers
+  have finished reading it).
+* **two consumers** (one warpgroup each, most of the registers): each owns 64 of the 128
+  query rows and keeps its running softmax state -- row max ``m``, row sum ``l`` and the
+  un-normalised fp32 accumulator -- in registers.  Per key tile ``j`` a consumer issues
+  ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` back to back as asynchronous wgmma, waits
+  only for ``S_j``, and runs the online-softmax update of tile ``j`` while the tensor cores
+  still work on ``P_{j-1} V_{j-1}``.  ``P`` stays in registers as the A operand of its wgmma.
+  With ``PINGPONG`` the two consumers also take turns issuing their GEMMs (a pair of
+  mbarriers passes the turn), so one warpgroup's softmax runs under the other's GEMMs.
+
+The masking rules are flashtile's: ``key_tiles`` decides which key tiles a query tile
+visits and which of them need an element-wise mask, ``band_mask`` decides visibility inside
+those (both in ``flashtile/kernels/masking.py``, shared with the ``tl.*`` kernels).
+Scores carry the scale folded into ``exp2``; normalisation happens once at the end; a row
+with no visible key gets output 0 and LSE ``-inf``.  The LSE (natural log, fp32) is the one
+the ``tl.*`` backward reads.
+
+Inputs keep flash-attn's layout ``(batch, seqlen, heads, d)`` (or packed ``(total, heads,
+d)`` with cu_seqlens) through 4-D TMA descriptors with a ``[1, rows, 1, HEAD_DIM]`` box:
+rows past the tensor read as zeros, head dims below ``HEAD_DIM`` (a power of two) read as
+zero columns and are never stored.  In a packed batch the rows past a sequence are the next
+sequence's: key tiles there are always masked, query rows there are computed but not stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtile.kernels.masking import band_mask, key_tiles
+from flashtile.kernels.runtime import cdiv, next_power_of_2
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Rows per consumer warpgroup: the M of one wgmma.
+ROWS_PER_CONSUMER = 64
+
+
+@gluon.jit
+def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty,
+              b, h, hk, q_row, k_row0, n_tiles, row_off, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Load the query tile, then K_j and V_j into ring slot ``j % NUM_STAGES`` once it is free."""
+    mbarrier.expect(q_ready, Q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(Q_desc, [b, q_row, h, 0], q_ready, q_smem)
+    for j in range(n_tiles):
+        slot = j % NUM_STAGES
+        # An mbarrier starts with its "previous" phase complete: the first lap's waits pass.
+        free_phase = ((j // NUM_STAGES) & 1) ^ 1
+        row = k_row0 + j * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), K_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(K_desc, [b, row, hk, 0], k_ready.index(slot), k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), V_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(V_desc, [b, row, hk, 0], v_ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                  full_lo, full_hi, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Online-softmax update for one key tile: (p, alpha, m, l) with scores in log2 units.
+
+    Tiles outside ``[full_lo, full_hi)`` are cut by the band or the sequence end and get
+    the element-wise mask; a row with no visible key so far keeps ``m = -inf`` and
+    subtracts 0, so its probabilities are exactly 0, never NaN.
+    """
+    if (n0 < full_lo) | (n0 >= full_hi):
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
+                            window_left, window_right, MASK_LEFT, MASK_RIGHT)
+        qk = gl.where(visible, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
+              O, LSE, o_base, lse_base, stride_om, m0, row_off, seqlen_q, seqlen_k, headdim, qk_scale,
+              window_left, window_right, lo, full_lo, full_hi, n_tiles,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PINGPONG: gl.constexpr):
+    """Rows ``[row_off, row_off + 64)`` of the query tile: the pipelined online-softmax loop."""
+    ROWS: gl.constexpr = 64
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    offs_m = m0 + row_off + gl.arange(0, ROWS, layout=row_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(row_off, ROWS, dim=0)
+    mbarrier.wait(q_ready, 0)
+
+    if n_tiles > 0:
+        # Tile 0: scores only; its P V joins the next step's GEMMs.
+        if PINGPONG:
+            mbarrier.wait(my_turn, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        qk = warpgroup_mma(q, k_t, s_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(their_turn, count=1)
+        qk = warpgroup_mma_wait(0, deps=[qk])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, lo, offs_m, seqlen_q, seqlen_k, qk_scale,
+                                           window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
+                                           MASK_LEFT, MASK_RIGHT)
+        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_tiles):
+            slot = j % NUM_STAGES
+            phase = (j // NUM_STAGES) & 1
+            prev = (j - 1) % NUM_STAGES
+            prev_phase = ((j - 1) // NUM_STAGES) & 1
+            if PINGPONG:
+                mbarrier.wait(my_turn, j & 1)
+            mbarrier.wait(k_ready.index(slot), phase)
+            k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+            qk = warpgroup_mma(q, k_t, s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+            acc = warpgroup_mma(p_prev, v, acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(their_turn, count=1)
+            # wgmma groups retire in order: S_j is ready while P_{j-1} V_{j-1} still runs.
+            qk, acc = warpgroup_mma_wait(1, deps=[qk, acc])
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, lo + j * BLOCK_N, offs_m, seqlen_q, seqlen_k,
+                                               qk_scale, window_left, window_right, full_lo, full_hi, s_layout,
+                                               BLOCK_N, MASK_LEFT, MASK_RIGHT)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+
+        last = (n_tiles - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+        v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
+        acc = warpgroup_mma(p_prev, v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # Deferred normalisation: one reciprocal per row; an empty row (l = 0) is selected to
+    # 0, so no inf or NaN in V can reach it.
+    empty = l_i == 0.0
+    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < seqlen_q)
+
+    out = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
+    out = gl.where(gl.expand_dims(gl.convert_layout(empty, gl.SliceLayout(1, o_layout)), 1), 0.0, out)
+    # 16-byte stores: each thread writes 8 consecutive columns of a row.
+    VEC: gl.constexpr = 8
+    TPC: gl.constexpr = HEAD_DIM // VEC if HEAD_DIM // VEC < 32 else 32
+    store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPC, TPC], [4, 1], [1, 0])
+    out = gl.convert_layout(out.to(dtype), store_layout)
+    rows = m0 + row_off + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
+    ptrs = O + o_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, out, mask=gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < headdim, 0))
+
+
+@gluon.jit
+def _attn_fwd_hopper(
+    Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    # One flat grid dimension (grid y/z are capped at 65535); tiles of one head are adjacent
+    # so they share its K/V in L2, and with a causal mask the heavy tiles start first.
+    pid = gl.program_id(0)
+    num_m_tiles = gl.cdiv(max_seqlen_q, BLOCK_M)
+    tile = pid % num_m_tiles
+    if MASK_RIGHT:
+        tile = num_m_tiles - 1 - tile
+    bh = pid // num_m_tiles
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group
+    m0 = tile * BLOCK_M
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = gl.load(CU_Q + b)
+        k_start = gl.load(CU_K + b)
+        seqlen_q = gl.load(CU_Q + b + 1) - q_start
+        seqlen_k = gl.load(CU_K + b + 1) - k_start
+    if m0 >= seqlen_q:  # the grid covers the longest sequence of a packed batch
+        return
+    lse_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
+    o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_om
+    desc_b = b
+    if VARLEN:
+        desc_b = 0  # packed tensors are one batch entry of the descriptors
+
+    lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    dtype: gl.constexpr = Q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, Q_desc.block_type.shape, Q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + K_desc.block_type.shape, K_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + V_desc.block_type.shape, V_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    # Consumer 0 issues first: its turn barrier completes phase 0 now, consumer 1's when
+    # consumer 0 hands over.
+    mbarrier.arrive(turns.index(0), count=1)
+
+    ROWS: gl.constexpr = 64
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty, turns.index(0),
+                     turns.index(1), O, LSE, o_base, lse_base, stride_om, m0, 0, seqlen_q, seqlen_k, headdim,
+                     qk_scale, window_left, window_right, lo, full_lo, full_hi, n_tiles,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, PINGPONG)),
+        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty, turns.index(1),
+                     turns.index(0), O, LSE, o_base, lse_base, stride_om, m0, ROWS, seqlen_q, seqlen_k, headdim,
+                     qk_scale, window_left, window_right, lo, full_lo, full_hi, n_tiles,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, PINGPONG)),
+        (_producer, (Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty,
+                     desc_b, h, hk, q_start + m0, k_start + lo, n_tiles, 0, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------------------
+# Launch configuration and launcher
+# --------------------------------------------------------------------------------------
+
+
+class HopperConfig:
+    """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
+
+    def __init__(self, block_n, num_stages, pingpong=True, consumer_regs=240, producer_regs=24):
+        self.block_m = 2 * ROWS_PER_CONSUMER
+        self.block_n, self.num_stages, self.pingpong = block_n, num_stages, pingpong
+        self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
+        # The kernel-wide register cap from which the partitions' budgets are carved: three
+        # warpgroups (two consumers, the producer's padded to one) share 64K registers.
+        self.maxnreg = (2 * consumer_regs + producer_regs) // 3 // 8 * 8
+
+    def __repr__(self):
+        return (f"HopperConfig(BLOCK_N={self.block_n}, stages={self.num_stages}, pingpong={self.pingpong}, "
+                f"regs={self.consumer_regs}/{self.producer_regs})")
+
+
+def padded_headdim(d: int) -> int:
+    return max(16, next_power_of_2(d))
+
+
+def config_for(head_dim_pad: int) -> HopperConfig:
+    """The tile configuration per padded head dim (shared memory: Q + stages * (K + V))."""
+    if head_dim_pad <= 128:
+        return HopperConfig(block_n=128, num_stages=2)
+    return HopperConfig(block_n=64, num_stages=2)
+
+
+def _nvmma_layout(block_shape, torch_dtype):
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[torch_dtype]
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
+
+
+def _descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
+    # The shape keeps the true head dim: columns past it read as zeros.
+    block = [1, rows, 1, hd]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _nvmma_layout(block, t.dtype))
+
+
+def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None):
+    """The Hopper forward for ``layout`` (``flashtile.kernels.attention._Layout``): (out, lse).
+
+    The output is allocated at the true head dim and written in place (no padded copy), the
+    LSE laid out as the ``tl.*`` kernels lay it out, for their backward.
+    """
+    d = q.shape[-1]
+    hd = padded_headdim(d)
+    cfg = config or config_for(hd)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
+    q, k, v = layout.prepare(q), layout.prepare(k), layout.prepare(v)
+    if layout.varlen:
+        stride_ob, stride_om, stride_oh = 0, out.stride(0), out.stride(1)
+    else:
+        stride_ob, stride_om, stride_oh = out.stride(0), out.stride(1), out.stride(2)
+    cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse)
+    grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
+    if grid[0] == 0:
+        return out, lse
+    _attn_fwd_hopper[grid](
+        layout.tiles(q, cfg.block_m, hd, _descriptor), layout.tiles(k, cfg.block_n, hd, _descriptor),
+        layout.tiles(v, cfg.block_n, hd, _descriptor), out, lse, cu_q, cu_k,
+        stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
+        softmax_scale * LOG2E, window_left, window_right,
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return out, lse

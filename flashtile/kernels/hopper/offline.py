@@ -1,0 +1,105 @@
+"""Compile the Hopper kernels for sm_90a without a GPU and read ptxas's verdict.
+
+Triton compiles for an explicit target on any machine and its wheel carries ``ptxas`` and
+``cuobjdump``, so a Gluon kernel that fails to compile, spills registers or lost its wgmma
+instructions is caught here -- in CI, which has no GPU -- before any device time is spent::
+
+    python -m flashtile.kernels.hopper.offline          # every forward variant, one line each
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+
+from flashtile.kernels.hopper import attention_fwd as fwd
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+HEAD_DIMS = (64, 128, 256)
+
+
+def _desc(dtype: str, rows: int, hd: int) -> str:
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    block = [1, rows, 1, hd]
+    return f"tensordesc<{dtype}{block},{gl.NVMMASharedLayout.get_default_for(block, gl_dtype)!r}>"
+
+
+def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
+                    dtype: str = "bf16", config: fwd.HopperConfig | None = None):
+    """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
+    cfg = config or fwd.config_for(hd)
+    fn = fwd._attn_fwd_hopper
+    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh seqlen_q seqlen_k max_seqlen_q nheads group headdim "
+            "window_left window_right").split()
+    sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
+           "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32",
+           "CU_K": "*i32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
+    consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
+              "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
+              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+
+
+def report(kernel) -> dict:
+    """ptxas's registers / spills / shared memory, and SASS instruction counts."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"ptxas failed:\n{r.stderr}")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+
+    def number(pattern):
+        m = re.search(pattern, r.stderr)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame"),
+            "shared": kernel.metadata.shared, "warnings": [line for line in r.stderr.splitlines() if "warning" in line],
+            **{op: sass.count(op) for op in ("HGMMA", "LDL", "STL", "MUFU.EX2", "SYNCS")}}
+
+
+def variants():
+    """Every (head dim, causal, window, varlen, dtype) the dispatch can send to the Hopper forward."""
+    for hd, (causal, window), varlen, dtype in itertools.product(
+            HEAD_DIMS, ((False, False), (True, False), (False, True)), (False, True), ("bf16", "fp16")):
+        yield dict(hd=hd, causal=causal, window=window, varlen=varlen, dtype=dtype)
+
+
+def main(argv=None) -> int:
+    """Compile every variant; one line each (``--json``: one JSON object each). Exit 1 on a spill."""
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
+    bad = 0
+    for v in variants():
+        rep = report(compile_forward(**v))
+        ok = rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["HGMMA"] > 0
+        bad += not ok
+        if as_json:
+            print(json.dumps({**v, **rep}), flush=True)
+        else:
+            print(("ok  " if ok else "BAD ") + " ".join(f"{k}={x}" for k, x in v.items()), {
+                k: rep[k] for k in ("registers", "spill_stores", "spill_loads", "shared", "HGMMA", "LDL")}, flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

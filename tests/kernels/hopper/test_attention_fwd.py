@@ -1,0 +1,108 @@
+"""The Gluon (Hopper) attention forward against the float64 oracle, on an sm_90 GPU.
+
+Every test forces the engine with ``FLASHTILE_ENGINE=gluon``, so a call the Gluon forward
+cannot take fails instead of silently running the ``tl.*`` kernels.  The backward of these
+calls is the ``tl.*`` backward reading the Gluon forward's LSE, checked too.  Tolerance is
+flash-attn's rule (see ``helpers.assert_close_to_reference``).
+"""
+
+import pytest
+import torch
+
+from helpers import assert_close_to_reference, random_like, random_qkv, reference_attention_grads
+
+import flashtile
+
+pytestmark = pytest.mark.gpu
+
+FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+def _is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
+
+
+@pytest.fixture(autouse=True)
+def _force_gluon(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_ENGINE", "gluon")
+
+
+def _check(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window, dtype, backward=True, seed=0):
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=dtype, device="cuda",
+                         requires_grad=backward, seed=seed)
+    torch.cuda.synchronize()
+    out, lse = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+    kw = dict(causal=causal, window_size=window)
+    dout = random_like(out, seed=seed + 1)
+    ref = reference_attention_grads(q, k, v, dout, **kw)
+    low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
+    floor = FLOOR[dtype]
+    assert_close_to_reference(out, ref[0], low[0], "out", atol_floor=floor)
+    empty = ref[1] == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), "rows with no visible key must have LSE -inf"
+    assert_close_to_reference(lse[~empty], ref[1][~empty], low[1][~empty].to(torch.float64), "lse", atol_floor=floor)
+    if backward:
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        for name, got, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:], low[2:]):
+            assert_close_to_reference(got, r64, rlow, name, atol_floor=floor * 10)
+
+
+CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window
+    (1, 1, 1, 1, 1, 64, False, (-1, -1)),
+    (2, 17, 17, 2, 2, 128, False, (-1, -1)),
+    (1, 17, 17, 2, 1, 96, True, (-1, -1)),
+    (1, 1000, 1000, 2, 2, 128, True, (-1, -1)),
+    (1, 4097, 4097, 2, 2, 128, False, (-1, -1)),
+    (2, 1000, 1000, 8, 1, 64, True, (-1, -1)),  # GQA 8:1
+    (1, 128, 1000, 2, 1, 40, False, (-1, -1)),  # Nq < Nk
+    (1, 1000, 128, 4, 2, 128, True, (-1, -1)),  # Nq > Nk: the first 872 rows see nothing
+    (1, 300, 1000, 2, 2, 256, True, (-1, -1)),
+    (1, 1000, 1000, 2, 2, 256, False, (-1, -1)),
+    (1, 1000, 1000, 2, 2, 128, False, (64, 0)),  # sliding window
+    (1, 700, 900, 2, 1, 96, False, (100, 37)),
+    (1, 2048, 2048, 2, 2, 64, False, (-1, -1)),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
+    *c[:6], "causal" if c[6] else "full", c[7]))
+def test_gluon_forward_matches_reference(case, dtype):
+    _check(*case, dtype=dtype, backward=dtype == torch.bfloat16)
+
+
+@needs_hopper
+def test_gluon_forward_empty_rows_are_zero_whatever_v_holds():
+    q, k, v = random_qkv(1, 5, 3, 1, 1, 64, dtype=torch.bfloat16, device="cuda")
+    v[0, 0, 0, 0] = float("inf")
+    out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
+    assert torch.isinf(lse[0, 0, :2]).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_matches_dense_per_sequence(causal):
+    lens = [0, 1, 17, 300, 1000, 129]
+    q, k, v = random_qkv(1, sum(lens), sum(lens), 4, 2, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = q[0], k[0], v[0]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    for b, n in enumerate(lens):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if n == 0:
+            continue
+        want = flashtile.flash_attn_func(q[None, s:e], k[None, s:e], v[None, s:e], causal=causal)[0]
+        assert torch.equal(out[s:e], want), f"sequence {b} (length {n}) differs from its dense call"
+
+
+@needs_hopper
+def test_forcing_gluon_on_an_unsupported_call_names_the_reason():
+    q, k, v = random_qkv(1, 16, 16, 1, 1, 64, dtype=torch.float32, device="cuda")
+    with pytest.raises(NotImplementedError, match="dtype"):
+        flashtile.flash_attn_func(q, k, v)

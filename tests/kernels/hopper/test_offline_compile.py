@@ -1,0 +1,46 @@
+"""Every Gluon kernel variant compiles for sm_90a without a GPU, with no spills and with wgmma.
+
+Gluon is not run by Triton's interpreter, so this is what CI can check of the Hopper kernels:
+the compile itself (a Gluon API or layout error fails here), ptxas's register spills (a
+spilling kernel is a slow kernel), that the tensor-core instructions (``HGMMA``) survived,
+and the shared-memory budget.  The compile runs in a child process without
+``TRITON_INTERPRET``: under the interpreter the shared ``tl.*`` helpers the Gluon kernels
+call are interpreter objects, which the compiler cannot take.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashtile.kernels.hopper import gluon_available
+
+pytestmark = pytest.mark.skipif(not gluon_available(), reason="needs the Triton release the Gluon kernels pin")
+
+
+@pytest.fixture(scope="module")
+def reports():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "flashtile.kernels.hopper.offline", "--json"], env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode in (0, 1), f"the offline compile crashed:\n{run.stderr[-4000:]}"
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_variant_was_compiled(reports):
+    from flashtile.kernels.hopper import offline
+
+    assert len(reports) == len(list(offline.variants())) > 0
+
+
+def test_no_variant_spills_or_loses_wgmma(reports):
+    bad = [r for r in reports if r["spill_stores"] or r["spill_loads"] or r["stack"] or not r["HGMMA"]]
+    assert not bad, "\n".join(map(str, bad))
+
+
+def test_shared_memory_fits_an_sm90_multiprocessor(reports):
+    # 227 KB of shared memory per block on H100 / H200.
+    bad = [r for r in reports if r["shared"] > 232448]
+    assert not bad, "\n".join(map(str, bad))
