@@ -5,7 +5,11 @@ prefix again, so the second half can only be predicted by attending back -- a mo
 learns it is using its (causal) attention.  Runs on the CPU in a couple of minutes and on a
 GPU much faster::
 
-    python examples/train_tiny_gpt.py --steps 300 --out examples/tiny_gpt_loss.png
+    python examples/train_tiny_gpt.py --steps 300
+
+The loss plot goes to ``--out`` (default: tiny_gpt_loss.png in the per-user results folder,
+``~/.cache/flashtile``); the committed ``examples/tiny_gpt_loss.png`` is that run with
+``--out examples/tiny_gpt_loss.png``.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import flashtile
+from flashtile.bench.common import default_out_dir
 
 
 class Block(nn.Module):
@@ -66,7 +72,8 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--half", type=int, default=24, help="prefix length; sequences are 2 * half + 1 long")
     ap.add_argument("--vocab", type=int, default=16)
-    ap.add_argument("--out", default="examples/tiny_gpt_loss.png")
+    ap.add_argument("--out", default=None,
+                    help="loss plot (PNG; default: tiny_gpt_loss.png in $XDG_CACHE_HOME/flashtile, else ~/.cache/flashtile)")
     args = ap.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,9 +114,11 @@ def main():
     ax.set_ylabel("cross-entropy")
     ax.set_title(f"tiny GPT with flashtile attention ({device})", fontsize=10)
     ax.legend(fontsize=8)
+    out = Path(args.out) if args.out is not None else default_out_dir() / "tiny_gpt_loss.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"loss curve: {args.out}")
+    fig.savefig(out, dpi=110)
+    print(f"loss curve: {out}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The ``flashtile`` command: ``flashtile info``, ``flashtile bench`` and ``flashtile iomodel``.
 
+    flashtile --version
     flashtile info                      versions, devices, and which backend will run
     flashtile bench [--device auto|cpu|cuda] [--out DIR] [--seqlens N ...] [--headdim D]
                     [--batch B] [--nheads H] [--causal] [--compare LIST] [--quick]
@@ -7,7 +8,9 @@
                     [--causal] [--dtype bf16|fp16|fp32] [--figure2]
                                         predicted HBM bytes, naive vs flashtile (flashtile/iomodel.py)
 
-``python -m flashtile ...`` is the same.
+``python -m flashtile ...`` is the same.  Results go to ``--out DIR``, by default to a
+per-user folder (:func:`flashtile.bench.common.default_out_dir`), never into a checkout.
+An argument error is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -81,10 +84,24 @@ def _split_list(values: list[str] | None) -> list[str] | None:
     return [x for v in values for x in v.split(",") if x]
 
 
+def _results_dir(out: str | None) -> tuple[Path | None, str | None]:
+    """The results folder, created: (path, None), or (None, why it cannot be used)."""
+    from flashtile.bench.common import default_out_dir
+
+    path = Path(out).expanduser() if out is not None else default_out_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return None, f"cannot create the results folder {str(path)!r}: {e.strerror or e}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return None, f"cannot write to the results folder {str(path)!r}"
+    return path, None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from flashtile.bench.cpu import DEFAULT_SEQLENS, IMPLS, default_out_dir, run_cpu_benchmark
+    from flashtile.bench.cpu import DEFAULT_SEQLENS, IMPLS, QUICK_SEQLENS, plot_cpu, run_cpu_benchmark
 
     device = args.device
     if device == "auto":
@@ -92,17 +109,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("flashtile bench: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    out_dir = Path(args.out) if args.out is not None else default_out_dir()
     compare = _split_list(args.compare)
-
     if device == "cpu":
         impls = ["flashtile"] + [c for c in (compare if compare is not None else IMPLS) if c != "flashtile"]
         bad = [c for c in impls if c not in IMPLS]
         if bad:
             print(f"flashtile bench: --compare on CPU accepts {', '.join(i for i in IMPLS if i != 'flashtile')}; got {', '.join(bad)}", file=sys.stderr)
             return 2
-        run_cpu_benchmark(
-            seqlens=args.seqlens or DEFAULT_SEQLENS,
+    out_dir, problem = _results_dir(args.out)
+    if problem is not None:
+        print(f"flashtile bench: {problem}", file=sys.stderr)
+        return 2
+
+    if device == "cpu":
+        records = run_cpu_benchmark(
+            seqlens=args.seqlens or (QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS),
             batch=args.batch,
             nheads=args.nheads,
             headdim=args.headdim,
@@ -112,6 +133,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             impls=impls,
             quick=args.quick,
         )
+        png = out_dir / "attention_cpu.png"
+        try:
+            plot_cpu(records, png)
+        except ImportError:
+            print("matplotlib is not installed: no plot (pip install matplotlib)")
+        else:
+            print(f"plot of this run: {png}")
         return 0
 
     from flashtile.bench.gpu import run_gpu_benchmark  # written for the GPU; imported only here
@@ -178,6 +206,33 @@ def cmd_iomodel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _headdim(text: str) -> int:
+    from flashtile.ops.validation import MAX_HEADDIM
+
+    value = _positive_int(text)
+    if value > MAX_HEADDIM:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_HEADDIM}, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line on stderr (``prog: error: ...``) and exit status 2:
+    the usage block argparse prints by default is what ``--help`` is for."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class _Given(argparse.Action):
     """Store the value and remember that the option was given on the command line."""
 
@@ -187,7 +242,8 @@ class _Given(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashtile", description="IO-aware exact attention: info and benchmarks.")
+    parser = _Parser(prog="flashtile", description="IO-aware exact attention: info and benchmarks.")
+    parser.add_argument("--version", action="version", version=f"flashtile {_own_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{info,bench,iomodel}")
 
     p_info = sub.add_parser("info", help="print versions, devices and the backend flash_attn_func will use")
@@ -197,20 +253,24 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark attention (CPU: flashtile vs naive vs SDPA; CUDA: the GPU benchmark)",
         description=(
-            "Benchmark attention and append JSONL records to DIR (attention_cpu.jsonl on CPU). "
+            "Benchmark attention and append JSONL records to DIR (attention_cpu.jsonl and a plot, "
+            "attention_cpu.png, on CPU). "
             "On CPU: time (median) and peak extra memory of flashtile, naive torch attention and "
             "torch SDPA, forward for every N and forward+backward for N <= 8192."
         ),
     )
     p_bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available, else cpu")
-    p_bench.add_argument("--out", metavar="DIR", default=None, help="results folder (default: benchmarks/results if it exists here, else ./flashtile-results)")
-    p_bench.add_argument("--seqlens", metavar="N", type=int, nargs="+", default=None, help="sequence lengths (default on CPU: 512 ... 16384)")
-    p_bench.add_argument("--headdim", type=int, default=64, action=_Given)
-    p_bench.add_argument("--batch", type=int, default=1, action=_Given)
-    p_bench.add_argument("--nheads", type=int, default=1, action=_Given)
+    p_bench.add_argument("--out", metavar="DIR", default=None,
+                         help="results folder (default: the per-user folder $XDG_CACHE_HOME/flashtile, else ~/.cache/flashtile)")
+    p_bench.add_argument("--seqlens", metavar="N", type=_positive_int, nargs="+", default=None,
+                         help="sequence lengths (default on CPU: 512 ... 16384; with --quick 256 512)")
+    p_bench.add_argument("--headdim", type=_headdim, default=64, action=_Given)
+    p_bench.add_argument("--batch", type=_positive_int, default=1, action=_Given)
+    p_bench.add_argument("--nheads", type=_positive_int, default=1, action=_Given)
     p_bench.add_argument("--causal", action="store_true", help="causal (bottom-right) mask")
     p_bench.add_argument("--compare", metavar="LIST", nargs="+", default=None, help="implementations to compare against, comma- or space-separated (CPU: naive, sdpa)")
-    p_bench.add_argument("--quick", action="store_true", help="one timed repeat per case (smoke test)")
+    p_bench.add_argument("--quick", action="store_true",
+                         help="smoke test: one timed repeat per case; on CPU also N = 256 512 unless --seqlens (seconds)")
     p_bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_bench.set_defaults(func=cmd_bench, headdim_given=False, batch_given=False, nheads_given=False)
 
@@ -222,12 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
             "and for flashtile's Triton kernels (with their real tile sizes), forward and backward."
         ),
     )
-    p_io.add_argument("--seqlens", metavar="N", type=int, nargs="+", default=None,
+    p_io.add_argument("--seqlens", metavar="N", type=_positive_int, nargs="+", default=None,
                       help=f"sequence lengths (default {' '.join(map(str, IOMODEL_SEQLENS))})")
-    p_io.add_argument("--headdim", type=int, default=64)
-    p_io.add_argument("--batch", type=int, default=1)
-    p_io.add_argument("--nheads", type=int, default=16)
-    p_io.add_argument("--nheads-k", type=int, default=None, help="kv heads (GQA); default: --nheads")
+    p_io.add_argument("--headdim", type=_headdim, default=64)
+    p_io.add_argument("--batch", type=_positive_int, default=1)
+    p_io.add_argument("--nheads", type=_positive_int, default=16)
+    p_io.add_argument("--nheads-k", type=_positive_int, default=None, help="kv heads (GQA); default: --nheads")
     p_io.add_argument("--causal", action="store_true", help="causal (bottom-right) mask")
     p_io.add_argument("--dtype", default="bfloat16", help="bf16 / bfloat16 (default), fp16 / float16, fp32 / float32")
     p_io.add_argument("--figure2", action="store_true",
@@ -236,13 +296,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _namespace_error() -> str | None:
+    """Why ``import flashtile`` gave the wrong module, or None when it gave the package.
+
+    ``python -m flashtile`` puts the current directory first on ``sys.path``; when that
+    directory holds a folder named ``flashtile`` without an ``__init__.py`` (a clone of this
+    repository, say), Python imports that folder as an empty namespace package in place of
+    the installed one.
+    """
+    pkg = sys.modules.get("flashtile")
+    if pkg is None or getattr(pkg, "__file__", None) is not None:
+        return None
+    where = ", ".join(str(p) for p in getattr(pkg, "__path__", [])) or "a folder"
+    return (f"flashtile: `import flashtile` found the folder {where} (an empty namespace package), not the "
+            f"flashtile package: run from another directory, or use the `flashtile` command")
+
+
+def _own_version() -> str:
+    import flashtile
+
+    return getattr(flashtile, "__version__", "unknown")
+
+
 def main(argv: list[str] | None = None) -> int:
+    problem = _namespace_error()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, an argument error: argparse's exit status
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (`flashtile info | head -1`): nothing left to say, and
+        # stdout is pointed at /dev/null so that the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+    return rc
 
 
 if __name__ == "__main__":

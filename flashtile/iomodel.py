@@ -52,6 +52,7 @@ __all__ = [
     "KernelIO",
     "KernelTiles",
     "asymptotic_hbm_accesses",
+    "builtin_kernel_tiles",
     "dtype_bytes",
     "dtype_name",
     "figure2_rows",
@@ -248,22 +249,55 @@ class KernelTiles:
                 f"dQ {self.dq[0]}x{self.dq[1]} (BLOCK_M x BLOCK_N)")
 
 
+def _padded_headdim(headdim: int) -> int:
+    """``flashtile.kernels.attention._padded_headdim``: the next power of two, at least 16."""
+    return max(16, 1 << (headdim - 1).bit_length())
+
+
+def builtin_kernel_tiles(headdim: int, causal: bool = False, *, interpreter: bool = False) -> KernelTiles:
+    """The tiles of ``flashtile.kernels.attention``'s ``_fwd_config`` / ``_bwd_config`` as plain
+    Python, for machines without Triton (where the kernels cannot be imported).
+
+    tests/test_iomodel.py checks that this table and the config functions agree for every
+    head dim, dtype and mask, so a change of the kernels' tiles that is not made here fails
+    the tests.  The configs do not depend on the dtype.
+    """
+    _positive_int("headdim", headdim)
+    hd = _padded_headdim(headdim)
+    if interpreter:
+        return KernelTiles((16, 32), (16, 32), (16, 32), hd)
+    if hd <= 128:
+        fwd = (64, 64)
+    else:
+        fwd = (64, 32) if causal else (128, 64)
+    if hd <= 32:
+        dkdv, dq = (64, 128), (64, 64)
+    elif hd <= 64:
+        dkdv, dq = (64, 64), (64, 64)
+    elif hd <= 128:
+        dkdv, dq = (32, 128), (64, 64)
+    else:
+        dkdv, dq = (64, 64), (128, 64)
+    return KernelTiles(fwd, dkdv, dq, hd)
+
+
 def kernel_tiles(headdim: int, dtype="bfloat16", causal: bool = False, *, interpreter: bool = False) -> KernelTiles:
     """The tiles flashtile's kernels launch with, read from ``flashtile.kernels.attention``.
 
     The config functions pick the interpreter's small tiles when the module was imported
     with ``TRITON_INTERPRET=1`` (as the tests do).  ``interpreter=False`` (the default)
     evaluates them as on a GPU regardless, on a copy of each function whose module
-    globals say so -- the module itself is left untouched.  Needs Triton installed.
+    globals say so -- the module itself is left untouched.  Without Triton the kernels
+    cannot be imported and :func:`builtin_kernel_tiles`, the same configs as a table, answers.
     """
     import torch
 
-    try:
-        from flashtile.kernels import attention
-    except ImportError as e:  # no Triton: the tiles cannot be read, only passed explicitly
-        raise RuntimeError(f"cannot read flashtile's kernel tiles ({e}); pass tiles=KernelTiles(...) explicitly") from e
     _positive_int("headdim", headdim)
     torch_dtype = getattr(torch, dtype_name(dtype))
+    try:
+        from flashtile.kernels import attention
+    except ImportError:
+        return builtin_kernel_tiles(headdim, causal, interpreter=interpreter)
 
     def with_interpret_flag(fn):
         return types.FunctionType(fn.__code__, {**fn.__globals__, "INTERPRET": interpreter}, fn.__name__,

@@ -40,6 +40,22 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """Inverse of :func:`unpad_input`: ``(total, ...)`` -> ``(batch, seqlen, ...)``, zeros at padding."""
+    if not isinstance(hidden_states, torch.Tensor) or not isinstance(indices, torch.Tensor):
+        raise TypeError("hidden_states and indices must be torch.Tensors")
+    if indices.dim() != 1 or indices.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"indices must be 1-D with one entry per row of hidden_states ({hidden_states.shape[0]}), "
+            f"got shape {tuple(indices.shape)}"
+        )
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
-    out = out.index_put((indices,), hidden_states)
+    try:
+        out = out.index_put((indices,), hidden_states)
+    except IndexError:
+        # Checked here rather than up front: an up-front bounds check would read the indices
+        # back to the host on every call (a GPU sync, a graph break under torch.compile).
+        raise ValueError(
+            f"indices must lie in [0, batch * seqlen) = [0, {batch * seqlen}) for batch={batch}, seqlen={seqlen}, "
+            f"got indices from {int(indices.min())} to {int(indices.max())}: pass the batch and seqlen of the "
+            "tensor given to unpad_input"
+        ) from None
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

@@ -101,13 +101,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    tensors = (("query", query), ("key", key), ("value", value))
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {_BSHD}, got {type(t).__name__}")
+    for name, t in tensors:
         if t.dim() not in (3, 4) or t.dim() != query.dim():
+            shapes = ", ".join(f"{n} {tuple(x.shape)}" for n, x in tensors)
             raise ValueError(
-                f"{name} must be {_BSHD} (or (heads, seq, dim)), with query, key and value of one rank; "
-                f"got query {tuple(query.shape)}, {name} {tuple(t.shape)}"
+                f"{name} must be {_BSHD} (or (heads, seq, dim)), with query, key and value of one rank; got {shapes}"
             )
     if query.dim() == 4 and not query.shape[0] == key.shape[0] == value.shape[0]:
         raise ValueError(f"query, key and value must have one batch size, got {query.shape[0]}, {key.shape[0]}, "

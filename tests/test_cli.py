@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -65,6 +67,9 @@ def test_bench_cpu_quick_writes_jsonl(tmp_path, capsys):
     }
     out = capsys.readouterr().out
     assert "flashtile ms" in out and "[fwd_bwd]" in out
+    assert f"12 records appended to {path}" in out
+    # The plot the GPU benchmark draws too, beside the JSONL.
+    assert (tmp_path / "attention_cpu.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_bench_cpu_compare_subset_causal(tmp_path):
@@ -143,3 +148,96 @@ def test_naive_over_budget_is_recorded_as_skipped(capsys):
     assert len(naive) == 1 and naive[0]["skipped"] and naive[0]["ms"] is None
     assert all(r["skipped"] is None and r["ms"] > 0 for r in records if r["impl"] != "naive")
     assert "skipped" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    import flashtile
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"flashtile {flashtile.__version__}"
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["bench", "--seqlens", "-5"], "--seqlens"),
+    (["bench", "--seqlens", "128", "0"], "--seqlens"),
+    (["bench", "--batch", "-1"], "--batch"),
+    (["bench", "--nheads", "two"], "--nheads"),
+    (["bench", "--headdim", "300"], "--headdim"),
+    (["bench", "--headdim", "0"], "--headdim"),
+    (["bench", "--device", "tpu"], "--device"),
+    (["iomodel", "--seqlens", "0"], "--seqlens"),
+    (["iomodel", "--nheads-k", "-2"], "--nheads-k"),
+    (["iomodel", "--headdim", "257"], "--headdim"),
+    (["no-such-command"], "invalid choice"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_malformed_flags_are_one_line_and_exit_2(argv, flag, capsys):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and flag in lines[0] and lines[0].startswith("flashtile"), captured.err
+
+
+def test_bench_out_that_cannot_be_created(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["bench", "--device", "cpu", "--out", str(blocker / "results")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "cannot create the results folder" in lines[0]
+
+
+def test_default_out_dir_is_per_user(tmp_path, monkeypatch):
+    from flashtile.bench.common import default_out_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_out_dir() == tmp_path / "xdg" / "flashtile"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_out_dir() == tmp_path / "home" / ".cache" / "flashtile"
+
+
+def test_bench_quick_default_writes_to_the_per_user_folder_not_the_cwd(tmp_path, monkeypatch, capsys):
+    from flashtile.bench.cpu import QUICK_SEQLENS
+
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cli.main(["bench", "--device", "cpu", "--quick", "--compare", "sdpa", "--no-progress"]) == 0
+    path = tmp_path / "xdg" / "flashtile" / "attention_cpu.jsonl"
+    assert {r["seqlen_q"] for r in read_jsonl(path)} == set(QUICK_SEQLENS)
+    assert str(path) in capsys.readouterr().out
+    assert list(cwd.iterdir()) == []
+
+
+def test_namespace_package_is_reported_in_one_line(monkeypatch, capsys, tmp_path):
+    """`python -m flashtile` beside a folder named flashtile imports that folder instead."""
+    namespace = types.ModuleType("flashtile")
+    namespace.__path__ = [str(tmp_path / "flashtile")]
+    monkeypatch.setitem(sys.modules, "flashtile", namespace)
+    assert cli.main(["info"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "namespace package" in lines[0] and str(tmp_path / "flashtile") in lines[0]
+
+
+def test_python_dash_m_beside_a_folder_named_flashtile(tmp_path):
+    (tmp_path / "flashtile").mkdir()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "flashtile", "info"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert "Traceback" not in proc.stderr
+    if proc.returncode != 0:  # the folder shadowed the package (an editable install); else it did not
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert "run from another directory" in proc.stderr
+
+
+def test_info_into_a_closed_pipe_ends_without_a_traceback():
+    """`flashtile info | head -1`: the reader goes away before the output is written."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "flashtile", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and err == b"", err
+    assert proc.returncode == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -272,6 +274,31 @@ def test_kernel_tiles_read_from_the_config_functions():
     assert iomodel.kernel_tiles(100).head_dim_pad == 128
 
 
+@pytest.mark.parametrize("interpreter", [False, True])
+def test_builtin_tiles_match_the_config_functions(interpreter):
+    """The plain-Python table used without Triton is the kernels' configs, tile for tile."""
+    for headdim in (1, 8, 16, 24, 32, 40, 64, 80, 96, 128, 160, 192, 256):
+        for dtype in ("float16", "bfloat16", "float32"):
+            for causal in (False, True):
+                got = iomodel.builtin_kernel_tiles(headdim, causal, interpreter=interpreter)
+                assert got == iomodel.kernel_tiles(headdim, dtype, causal, interpreter=interpreter), (headdim, dtype, causal)
+
+
+def test_kernel_tiles_without_triton_use_the_builtin_table():
+    """What a plain install (no Triton) sees: `import triton` fails, the table answers."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from flashtile import iomodel\n"
+        "t = iomodel.kernel_tiles(128, 'bf16', True)\n"
+        "assert 'flashtile.kernels.attention' not in sys.modules\n"
+        "print(t.fwd, t.dkdv, t.dq, t.head_dim_pad)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == "(64, 64) (32, 128) (64, 64) 128"
+
+
 # --------------------------------------------------------------------------------------
 # Arguments
 # --------------------------------------------------------------------------------------
@@ -334,7 +361,8 @@ def test_cli_iomodel_figure2(capsys):
 
 def test_cli_iomodel_bad_arguments(capsys):
     assert cli.main(["iomodel", "--seqlens", "0"]) == 2
-    assert "seqlen_q" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--seqlens" in err and "positive" in err and len(err.splitlines()) == 1
     assert cli.main(["iomodel", "--nheads", "16", "--nheads-k", "5"]) == 2
     assert "nheads_k" in capsys.readouterr().err
 

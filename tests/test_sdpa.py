@@ -194,6 +194,15 @@ def test_validation():
                                                enable_gqa=True)
 
 
+def test_rank_error_names_each_tensor_with_its_shape():
+    q, k, v = _qkv(1, 2, 2, 4, 4, 8, requires_grad=False)
+    with pytest.raises(ValueError) as err:
+        flashtile.scaled_dot_product_attention(q, k[0], v)
+    msg = str(err.value)
+    assert msg.startswith("key must be")
+    assert f"got query {tuple(q.shape)}, key {tuple(k[0].shape)}, value {tuple(v.shape)}" in msg
+
+
 def _gpu_mask(kind, b, lq, lk, g):
     if kind in ("none", "causal"):
         return None

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 __all__ = [
+    "default_out_dir",
     "environment",
     "write_jsonl",
     "read_jsonl",
@@ -76,6 +77,18 @@ def environment(device: str | torch.device | None = None) -> dict[str, Any]:
         "triton": _version("triton"),
         "python": platform.python_version(),
     }
+
+
+def default_out_dir() -> Path:
+    """Where a benchmark writes when no folder is given: ``$XDG_CACHE_HOME/flashtile``, else
+    ``~/.cache/flashtile``.
+
+    A per-user folder rather than the current directory, so that running a benchmark inside
+    a checkout of this repository leaves the checkout as it was (the committed results in
+    ``benchmarks/results`` are regenerated with an explicit ``--out benchmarks/results``).
+    """
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flashtile"
 
 
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> Path:
@@ -299,9 +312,12 @@ def save_figure(fig, path, dpi: int = 110) -> None:
 def save_results(records, out_dir, name: str, print_table, plot) -> None:
     """Append ``records`` to ``out_dir/name.jsonl``, print the table, draw ``out_dir/name.png``."""
     out_dir = Path(out_dir)
-    write_jsonl(out_dir / f"{name}.jsonl", records)
+    jsonl = write_jsonl(out_dir / f"{name}.jsonl", records)
     print_table(records)
+    print(f"{len(records)} records appended to {jsonl}")
     try:
         plot(records, out_dir / f"{name}.png")
     except ImportError:
         print("matplotlib not installed: no plot")
+    else:
+        print(f"plot: {out_dir / f'{name}.png'}")

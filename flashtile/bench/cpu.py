@@ -42,27 +42,23 @@ import torch.nn.functional as F
 from flashtile.bench.common import (
     OtherCpuLoad,
     cpu_peak_memory_method,
+    default_out_dir,
     environment,
     format_bytes,
     peak_memory,
+    save_figure,
+    subplots,
     write_jsonl,
 )
 
 IMPLS = ("flashtile", "naive", "sdpa")
 MODES = ("fwd", "fwd_bwd")
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_SEQLENS = (256, 512)  # `flashtile bench --quick`: a smoke test of a few seconds
 NAIVE_BUDGET_BYTES = 8 * 1024**3  # skip naive when the N x N score matrix alone exceeds this
 CONTENDED = 0.1  # other processes' share of the cores above which a timing is flagged
 
 _AUTO = "auto"
-
-
-def default_out_dir(cwd: str | Path | None = None) -> Path:
-    """``benchmarks/results`` when that folder exists under ``cwd`` (a checkout of this repo),
-    else ``./flashtile-results``."""
-    cwd = Path.cwd() if cwd is None else Path(cwd)
-    results = cwd / "benchmarks" / "results"
-    return results if results.is_dir() else cwd / "flashtile-results"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -350,6 +346,13 @@ def run_cpu_benchmark(
     if memory not in ("inprocess", "isolated"):
         raise ValueError(f"memory must be 'inprocess' or 'isolated', got {memory!r}")
     seqlens = sorted(int(n) for n in seqlens)
+    if not seqlens:
+        raise ValueError("seqlens must not be empty")
+    if seqlens[0] < 1:
+        raise ValueError(f"seqlens must be positive, got {seqlens[0]}")
+    for name, value in (("batch", batch), ("nheads", nheads), ("headdim", headdim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if out_path == _AUTO:
         out_path = default_out_dir() / "attention_cpu.jsonl"
 
@@ -449,6 +452,44 @@ def run_cpu_benchmark(
         if out_path is not None:
             print(f"\n{len(records)} records appended to {out_path}")
     return records
+
+
+def plot_cpu(records: Sequence[dict], path: str | Path) -> None:
+    """Draw ``records`` (one run of :func:`run_cpu_benchmark`) to ``path``: median time and
+    peak extra memory against N, a line per (impl, mode), log-log.
+
+    Raises ImportError without matplotlib."""
+    fig, (ax_t, ax_m) = subplots(1, 2, figsize=(10, 3.8))
+    styles = {"fwd": "-", "fwd_bwd": "--"}
+    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in records)):
+        color = f"C{i}"
+        for mode in dict.fromkeys(r["mode"] for r in records):
+            rows = sorted((r for r in records if r["impl"] == impl and r["mode"] == mode and r.get("ms") is not None),
+                          key=lambda r: r["seqlen_q"])
+            if not rows:
+                continue
+            label = f"{impl} {mode.replace('_', '+')}"
+            n = [r["seqlen_q"] for r in rows]
+            ax_t.plot(n, [r["ms"] for r in rows], styles.get(mode, "-"), color=color, marker="o", ms=3, label=label)
+            mem = [(r["seqlen_q"], r["peak_extra_bytes"] / 2**20) for r in rows if r.get("peak_extra_bytes")]
+            if mem:
+                ax_m.plot(*zip(*mem), styles.get(mode, "-"), color=color, marker="o", ms=3, label=label)
+    r0 = records[0] if records else {}
+    title = (f"CPU attention: batch {r0.get('batch')}, heads {r0.get('nheads')}, d={r0.get('headdim')}, "
+             f"{r0.get('dtype')}, causal={r0.get('causal')}")
+    seqlens = sorted({r["seqlen_q"] for r in records})
+    for ax, ylabel in ((ax_t, "median ms"), (ax_m, "peak extra MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [str(n) for n in seqlens])
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+    ax_t.set_title(title, fontsize=9)
+    ax_m.set_title(str(r0.get("device", "")), fontsize=8)
+    ax_t.legend(fontsize=7)
+    save_figure(fig, path)
 
 
 def format_table(records: Sequence[dict]) -> str:

@@ -32,7 +32,7 @@ import torch
 
 from pathlib import Path
 
-from flashtile.bench.common import compile_for_benchmark, environment, save_figure, subplots, write_jsonl
+from flashtile.bench.common import compile_for_benchmark, default_out_dir, environment, save_figure, subplots, write_jsonl
 
 BATCHES = (1, 8, 32, 128)
 CACHES = (1024, 8192, 32768, 131072)
@@ -102,10 +102,11 @@ def _make_fn(impl, q, k_cache, v_cache, generator):
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
 
 
-def run_decode_benchmark(out_dir="benchmarks/results", batches=BATCHES, caches=CACHES, impls=IMPLS,
+def run_decode_benchmark(out_dir=None, batches=BATCHES, caches=CACHES, impls=IMPLS,
                          nheads=32, nheads_k=4, headdim=128, dtype=torch.bfloat16, progress=True) -> list[dict]:
     import triton
     from tqdm import tqdm
+    out_dir = Path(default_out_dir() if out_dir is None else out_dir)
 
     env = environment("cuda")
     elt = torch.finfo(dtype).bits // 8
@@ -160,10 +161,13 @@ def run_decode_benchmark(out_dir="benchmarks/results", batches=BATCHES, caches=C
         torch.cuda.empty_cache()
     # Appended case by case (above), so a run cut short by a time limit keeps what it measured.
     print_table(records)
+    print(f"{len(records)} records appended to {out_dir / 'decode.jsonl'}")
     try:
-        plot(records, Path(out_dir) / "decode.png")
+        plot(records, out_dir / "decode.png")
     except ImportError:
         print("matplotlib not installed: no plot")
+    else:
+        print(f"plot: {out_dir / 'decode.png'}")
     return records
 
 
@@ -206,7 +210,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="results folder (default: ~/.cache/flashtile; the committed results: --out benchmarks/results)")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--caches", type=int, nargs="+", default=list(CACHES))
     ap.add_argument("--impls", nargs="+", default=list(IMPLS))

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from flashtile.bench.common import compile_for_benchmark, environment, save_figure, save_results, subplots
+from flashtile.bench.common import compile_for_benchmark, default_out_dir, environment, save_figure, save_results, subplots
 from flashtile.bench.gpu import _time
 
 NHEADS, HEADDIM = 16, 128
@@ -157,7 +157,8 @@ def _dropout_records(env, seqlens):
     return records
 
 
-def run_features_benchmark(out_dir="benchmarks/results", parts=("varlen", "window", "dropout"), progress=True):
+def run_features_benchmark(out_dir=None, parts=("varlen", "window", "dropout"), progress=True):
+    out_dir = default_out_dir() if out_dir is None else out_dir
     env = environment("cuda")
     records = []
     modes = ("fwd", "fwd_bwd")
@@ -209,7 +210,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="results folder (default: ~/.cache/flashtile; the committed results: --out benchmarks/results)")
     ap.add_argument("--parts", nargs="+", default=["varlen", "window", "dropout"])
     args = ap.parse_args()
     run_features_benchmark(args.out, parts=args.parts)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import compile_for_benchmark, environment, save_figure, save_results, subplots
+from flashtile.bench.common import compile_for_benchmark, default_out_dir, environment, save_figure, save_results, subplots
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
@@ -123,7 +123,7 @@ def peak_extra_memory(impl, causal, batch, seqlen, nheads, headdim, dtype=torch.
 
 
 def run_gpu_benchmark(
-    out_dir="benchmarks/results",
+    out_dir=None,
     compare=ALL_IMPLS,
     quick=False,
     seqlens=None,
@@ -136,6 +136,7 @@ def run_gpu_benchmark(
 ) -> list[dict]:
     """Run the benchmark, append records to ``out_dir/attention.jsonl`` and draw the plots."""
     from tqdm import tqdm
+    out_dir = Path(default_out_dir() if out_dir is None else out_dir)
 
     compare = [c.replace("-", "_") for c in compare]  # accept sdpa-flash as well as sdpa_flash
     unknown = sorted(set(compare) - set(ALL_IMPLS))
@@ -268,7 +269,7 @@ def _cli():
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="results folder (default: ~/.cache/flashtile; the committed results: --out benchmarks/results)")
     ap.add_argument("--compare", default=",".join(ALL_IMPLS[1:]))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--headdims", type=int, nargs="+")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.bench.common import compile_for_benchmark, environment, save_figure, save_results, subplots
+from flashtile.bench.common import compile_for_benchmark, default_out_dir, environment, save_figure, save_results, subplots
 
 COLS = (128, 512, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 TOTAL = 2**28
@@ -40,10 +40,11 @@ def _fwd_fn(impl):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def run_softmax_benchmark(out_dir="benchmarks/results", cols=COLS, dtypes=(torch.bfloat16, torch.float32),
+def run_softmax_benchmark(out_dir=None, cols=COLS, dtypes=(torch.bfloat16, torch.float32),
                           impls=IMPLS, modes=("fwd", "bwd"), progress=True) -> list[dict]:
     import triton
     from tqdm import tqdm
+    out_dir = default_out_dir() if out_dir is None else out_dir
 
     env = environment("cuda")
     records = []
@@ -123,7 +124,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="results folder (default: ~/.cache/flashtile; the committed results: --out benchmarks/results)")
     ap.add_argument("--cols", type=int, nargs="+", default=list(COLS))
     args = ap.parse_args()
     run_softmax_benchmark(args.out, cols=args.cols)
