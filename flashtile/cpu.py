@@ -144,8 +144,10 @@ def attention_forward(
             acc = acc * alpha[..., None] + p @ vh[..., k0:k1, :].to(acc_dtype)
             m = m_new
         empty = l == 0
-        # Deferred normalisation: one division per row at the end, not one per chunk.
-        out[..., q0:q1, :] = (acc / torch.where(empty, 1.0, l)[..., None]).to(q.dtype)
+        # Deferred normalisation: one division per row at the end, not one per chunk.  A row
+        # with no visible key gives 0 by selection: its acc may hold 0 * inf = NaN from a
+        # masked key's V.
+        out[..., q0:q1, :] = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, l)[..., None]).to(q.dtype)
         lse[..., q0:q1] = torch.where(empty, float("-inf"), m + torch.log(l))
     return (
         out.reshape(batch, nheads, seqlen_q, d).permute(0, 2, 1, 3).contiguous(),

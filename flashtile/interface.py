@@ -6,7 +6,7 @@ import torch
 
 from flashtile.dropout import counters_per_row, next_seed_offset
 from flashtile.ops import attention as _ops
-from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens
+from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens, check_cu_seqlens_values
 
 
 def flash_attn_func(
@@ -112,15 +112,17 @@ def flash_attn_varlen_func(
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor of shape (total_q, nheads, headdim), got {type(q).__name__}")
     batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] if q.dim() == 3 else -1, q.device,
-                             max_seqlen_q, "max_seqlen_q")
+                             max_seqlen_q, "max_seqlen_q", values=False)
     batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else -1,
-                               q.device, max_seqlen_k, "max_seqlen_k")
+                               q.device, max_seqlen_k, "max_seqlen_k", values=False)
     if batch_k != batch:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
     params = check_attention_inputs(
         q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, packed=True, packed_batch=batch,
     )
+    check_cu_seqlens_values(("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
+                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k"))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     seed, offset = 0, 0

@@ -12,21 +12,21 @@ from __future__ import annotations
 import torch
 
 from flashtile import cpu
-from flashtile.ops.validation import _check_tensor, check_alibi_slopes, check_attention_scalars, check_qkv_agree
-
-
-def _check_index(name, t, batch, device, rank=1):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be an int32 (or int64) tensor, got {t.dtype}")
-    if t.dim() != rank or t.shape[0] != batch:
-        raise ValueError(f"{name} must have {rank} dimension(s) with batch ({batch}) first, got shape {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+from flashtile.ops.validation import (
+    _check_tensor,
+    check_alibi_slopes,
+    check_attention_scalars,
+    check_index_tensor,
+    check_kvcache_cache_layout,
+    check_kvcache_index_values,
+    check_qkv_agree,
+    kvcache_capacity,
+)
 
 
 def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    """Types, shapes, dtypes and devices (the index *values* are checked separately, by
+    ``check_kvcache_index_values``, once the cache capacity is known)."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or (num_blocks, page_size, nheads_k, headdim)")
     _check_tensor("v_cache", v_cache, 4, "like k_cache")
@@ -38,21 +38,30 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
     if k is not None:
         _check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
         _check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        if k.device != q.device or v.device != q.device:
+            raise ValueError(f"k and v must be on q's device ({q.device}), got {k.device} and {v.device}")
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
             raise ValueError(
                 f"k and v must be (batch={batch}, seqlen_new, nheads_k={k_cache.shape[2]}, headdim={k_cache.shape[3]}), "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
+        check_kvcache_cache_layout("k_cache", k_cache)
+        check_kvcache_cache_layout("v_cache", v_cache)
     if block_table is not None:
-        _check_index("block_table", block_table, batch, q.device, rank=2)
+        check_index_tensor("block_table", block_table, q.device, (batch, None), f"(batch={batch}, max_blocks)")
+        if block_table.shape[1] == 0:
+            raise ValueError("block_table must have at least one column (block), got shape "
+                             f"{tuple(block_table.shape)}")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
     elif k_cache.shape[0] < batch and cache_batch_idx is None:
         raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than batch ({batch}); pass cache_batch_idx")
     if cache_batch_idx is not None:
-        _check_index("cache_batch_idx", cache_batch_idx, batch, q.device)
+        check_index_tensor("cache_batch_idx", cache_batch_idx, q.device, (batch,), f"(batch={batch},)")
+    if isinstance(cache_seqlens, bool):
+        raise TypeError("cache_seqlens must be an int or an int32 tensor (batch,), got bool")
     if cache_seqlens is not None and not isinstance(cache_seqlens, int):
-        _check_index("cache_seqlens", cache_seqlens, batch, q.device)
+        check_index_tensor("cache_seqlens", cache_seqlens, q.device, (batch,), f"(batch={batch},)")
 
 
 def _physical_rows(positions, batch_rows, block_table, page_size):
@@ -64,13 +73,10 @@ def _physical_rows(positions, batch_rows, block_table, page_size):
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table):
-    """Write new keys/values at positions cache_seqlens[b] ... in place (one scatter each)."""
+    """Write new keys/values at positions cache_seqlens[b] ... in place (one scatter each);
+    the indices were checked (check_kvcache_index_values), so both scatters complete."""
     positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)[None, :]
-    page_size = k_cache.shape[1]
-    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
-    if k.device.type == "cpu" and positions.numel() and int(positions.max()) >= capacity:
-        raise ValueError(f"cache_seqlens + seqlen_new exceeds the cache capacity ({capacity} positions)")
-    idx, rows = _physical_rows(positions, batch_rows, block_table, page_size)
+    idx, rows = _physical_rows(positions, batch_rows, block_table, k_cache.shape[1])
     k_cache[idx, rows] = k.to(k_cache.dtype)
     v_cache[idx, rows] = v.to(v_cache.dtype)
 
@@ -149,29 +155,32 @@ def flash_attn_with_kvcache(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
 
     paged = block_table is not None
-    full = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = kvcache_capacity(k_cache, block_table)
+    seqlen_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
-        cache_seqlens = full if k is None else 0
-    if isinstance(cache_seqlens, int) and not 0 <= cache_seqlens <= full:
-        raise ValueError(f"cache_seqlens ({cache_seqlens}) must be in [0, {full}] (the cache capacity)")
+        cache_seqlens = capacity if k is None else 0
+    check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new=seqlen_new, capacity=capacity,
+                               cache_rows=k_cache.shape[0])
+    if seqlen_new == 0:
+        k = v = None  # nothing to write: an empty append is no append
     # Decoding steps last microseconds: on a GPU without new keys, launch nothing but the kernels
     # (one int length for every sequence goes to the kernel as it is, no tensor is filled).
     if isinstance(cache_seqlens, int) and (k is not None or not q.is_cuda):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    needs_rows = k is not None or not q.is_cuda
-    batch_rows = None
-    if needs_rows:
-        batch_rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=q.device)
     if k is not None:
         with torch.no_grad():
-            _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table)
-        seqlens_k = (cache_seqlens + k.shape[1]).to(torch.int32)
+            if q.is_cuda:
+                from flashtile.kernels.decode import append_kv
+
+                append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+            else:
+                rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch)
+                _append(k_cache, v_cache, k, v, cache_seqlens, rows, block_table)
+        seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32)
     elif isinstance(cache_seqlens, int):
         seqlens_k = cache_seqlens
     else:
         seqlens_k = cache_seqlens.to(torch.int32)  # no copy when already int32
-    if q.device.type == "cpu" and int(seqlens_k.max()) > full:
-        raise ValueError(f"cache_seqlens (+ seqlen_new) exceeds the cache capacity ({full} positions)")
 
     args = (params.softmax_scale, params.window_left, params.window_right, params.softcap, alibi_slopes)
     if q.is_cuda:
@@ -179,6 +188,7 @@ def flash_attn_with_kvcache(
         bt = block_table.to(torch.int32) if paged else None
         out, lse = _attend_triton(q, k_cache, v_cache, seqlens_k, cbi, bt, *args, num_splits)
     else:
+        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch)
         with torch.no_grad():
-            out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, *args)
+            out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, rows, block_table, *args)
     return (out, lse) if return_lse else out

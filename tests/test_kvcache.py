@@ -318,3 +318,363 @@ def test_gpu_decode_step_replays_in_a_cuda_graph(page_size):
         torch.testing.assert_close(out, expected[0], atol=0, rtol=0)
         torch.testing.assert_close(lse, expected[1], atol=0, rtol=0)
         _check(out, lse, q, kc, vc, table, [n + 1 for n in lengths], causal=True, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------
+# Index values: checked before anything is written; a failed call changes nothing
+# ---------------------------------------------------------------------------------------
+
+
+def _append_case(page_size=None, batch=2, rows=None, capacity=8, seed=20):
+    """q, caches, new k/v (2 positions each) for a small cache of ``rows`` rows (or pages)."""
+    g = _gen(seed)
+    rows = rows or (batch if page_size is None else 4)
+    shape = (rows, capacity if page_size is None else page_size, 2, 8)
+    kc, vc = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    q = torch.randn(batch, 1, 2, 8, generator=g)
+    knew, vnew = torch.randn(batch, 2, 2, 8, generator=g), torch.randn(batch, 2, 2, 8, generator=g)
+    return q, kc, vc, knew, vnew
+
+
+def _assert_rejected_unchanged(match, *args, **kwargs):
+    """flash_attn_with_kvcache(*args, **kwargs) raises ValueError and leaves every tensor as it was."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in tensors]
+    with pytest.raises(ValueError, match=match):
+        flashtile.flash_attn_with_kvcache(*args, **kwargs)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b), "a rejected call changed an input"
+
+
+@pytest.mark.parametrize("lengths,knew", [([-1, 0], True), ([-3, 2], False)])
+def test_negative_cache_seqlens_rejected(lengths, knew):
+    """Item 1: a negative length wrote at the end of the cache (append) or failed in torch.arange."""
+    q, kc, vc, kn, vn = _append_case()
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    if knew:
+        _assert_rejected_unchanged(r"cache_seqlens\[0\] = -1", q, kc, vc, kn, vn, cache_seqlens=seqlens)
+    else:
+        _assert_rejected_unchanged(r"cache_seqlens\[0\] = -3", q, kc, vc, cache_seqlens=seqlens)
+
+
+@pytest.mark.parametrize("idx,match", [([0, 5], r"cache_batch_idx\[1\] = 5"), ([-1, 0], r"cache_batch_idx\[0\] = -1"),
+                                       ([1, 1], r"cache_batch_idx\[0\] = cache_batch_idx\[1\] = 1")])
+def test_bad_cache_batch_idx_rejected_before_any_write(idx, match):
+    """Items 2, 3, 6: out of range (IndexError after writing k_cache only), negative (read the
+    last row), duplicated with an append (one sequence read the other's new keys)."""
+    q, kc, vc, kn, vn = _append_case(rows=4)
+    _assert_rejected_unchanged(match, q, kc, vc, kn, vn, cache_seqlens=torch.tensor([1, 2], dtype=torch.int32),
+                               cache_batch_idx=torch.tensor(idx, dtype=torch.int32))
+
+
+def test_duplicate_cache_batch_idx_without_append_is_a_read():
+    q, kc, vc, _, _ = _append_case(rows=4)
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
+                                           cache_batch_idx=torch.tensor([2, 2], dtype=torch.int32))
+    ref = reference_attention(q[1:], kc[2:3, :5], vc[2:3, :5])[0]
+    torch.testing.assert_close(out[1:].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("table,match", [([[0, 1], [2, 9]], r"block_table\[1, 1\] = 9"),
+                                         ([[0, -1], [2, 3]], r"block_table\[0, 1\] = -1"),
+                                         ([[0, 1], [3, 1]], r"block_table\[0, 1\] = 1 receives")])
+def test_bad_block_table_rejected_before_any_write(table, match):
+    """Items 4, 5: a page id out of range (IndexError after a partial write) or negative
+    (wrapped to the last page); and a page written by one sequence and read by another."""
+    q, kc, vc, kn, vn = _append_case(page_size=4, rows=4)
+    _assert_rejected_unchanged(match, q, kc, vc, kn, vn, cache_seqlens=torch.tensor([3, 3], dtype=torch.int32),
+                               block_table=torch.tensor(table, dtype=torch.int32))
+
+
+def test_negative_page_rejected_without_append():
+    """Item 5 without an append: the output equalled reading the last page."""
+    q, kc, vc, _, _ = _append_case(page_size=4, rows=4)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([6, 2], dtype=torch.int32),
+                                          block_table=torch.tensor([[0, -1], [2, 3]], dtype=torch.int32))
+
+
+def test_unused_block_table_entries_are_not_checked():
+    """Pages past a sequence's length may hold anything (serving engines pad with -1)."""
+    q, kc, vc, kn, vn = _append_case(page_size=4, rows=4)
+    table = torch.tensor([[0, -1], [2, 99]], dtype=torch.int32)
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.tensor([1, 0], dtype=torch.int32),
+                                           block_table=table)
+    assert torch.isfinite(out).all()
+    assert torch.equal(kc[0, 1:3], kn[0]) and torch.equal(kc[2, 0:2], kn[1])
+
+
+def test_capacity_counts_the_appended_keys():
+    q, kc, vc, kn, vn = _append_case(capacity=8)
+    _assert_rejected_unchanged(r"cache_seqlens\[1\] = 7 \(\+ seqlen_new 2 = 9\)", q, kc, vc, kn, vn,
+                               cache_seqlens=torch.tensor([6, 7], dtype=torch.int32))
+    _assert_rejected_unchanged(r"cache_seqlens \(7\) \(\+ seqlen_new 2 = 9\)", q, kc, vc, kn, vn, cache_seqlens=7)
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=6)  # exactly full
+    assert torch.equal(kc[:, 6:], kn) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_expanded_cache_rejected_for_an_append(which):
+    """Item 7: a stride-0 cache accepted an append, so its rows aliased."""
+    q, kc, vc, kn, vn = _append_case()
+    expanded = kc[:1].expand(2, -1, -1, -1)
+    kc, vc = (expanded, vc) if which == "k_cache" else (kc, vc[:1].expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match=f"{which} has stride 0"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=1)
+    flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=1)  # reading an expanded cache is fine
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(cache_seqlens=True), TypeError, "cache_seqlens"),
+    (dict(cache_seqlens=[1, 2]), TypeError, "cache_seqlens"),
+    (dict(cache_batch_idx=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, "cache_batch_idx"),
+    (dict(block_table=torch.zeros(2, 0, dtype=torch.int32)), ValueError, "block_table"),
+    (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ValueError, "block_table"),
+])
+def test_index_argument_types_and_shapes(kwargs, exc, match):
+    q, kc, vc, _, _ = _append_case()
+    with pytest.raises(exc, match=match):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, **kwargs)
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_empty_row_is_zero_even_when_v_holds_inf(page_size):
+    """Item 10 on the KV-cache path: causal, seqlen_q 5 > 3 keys: rows 0-1 see no key."""
+    g = _gen(30)
+    q = torch.randn(1, 5, 2, 8, generator=g)
+    kc, vc = torch.randn(1, 4, 2, 8, generator=g), torch.randn(1, 4, 2, 8, generator=g)
+    table = None
+    if page_size is not None:
+        table = torch.tensor([[0]], dtype=torch.int32)
+    vc[0, 0, 0, 0] = float("inf")
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3, block_table=table, causal=True,
+                                                 return_lse=True)
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2])) and (lse[0, :, :2] == float("-inf")).all()
+
+
+# ---------------------------------------------------------------------------------------
+# The kernels: in bounds whatever the index values (the host checks are skipped in capture)
+# ---------------------------------------------------------------------------------------
+
+
+def _guarded(shape, seed):
+    """A tensor in the middle of a larger buffer filled with a sentinel: a write outside it shows."""
+    rows = shape[0]
+    buf = torch.full((rows + 4, *shape[1:]), 7.0)
+    buf[2:2 + rows] = torch.randn(*shape, generator=_gen(seed))
+    return buf, buf[2:2 + rows]
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["negative_length", "too_long", "row_out_of_range", "negative_row", "bad_page",
+                                  "negative_page"])
+def test_append_kernel_writes_nothing_on_bad_indices(case):
+    paged = "page" in case
+    kbuf, kc = _guarded((4, 4 if paged else 8, 2, 8), 40)
+    vbuf, vc = _guarded((4, 4 if paged else 8, 2, 8), 41)
+    kbuf, vbuf = kbuf.to(DEVICE), vbuf.to(DEVICE)
+    kc, vc = kbuf[2:6], vbuf[2:6]
+    kn = torch.randn(2, 2, 2, 8, generator=_gen(42)).to(DEVICE)
+    vn = torch.randn(2, 2, 2, 8, generator=_gen(43)).to(DEVICE)
+    lengths = {"negative_length": [-1, 0], "too_long": [7, 0]}.get(case, [1, 2])
+    idx = {"row_out_of_range": [0, 4], "negative_row": [-1, 0]}.get(case)
+    table = {"bad_page": [[0, 1], [2, 4]], "negative_page": [[0, -2], [2, 3]]}.get(case)
+    seqlens = torch.tensor(lengths if not paged else [3, 3], dtype=torch.int32, device=DEVICE)
+    idx = None if idx is None else torch.tensor(idx, dtype=torch.int32, device=DEVICE)
+    table = None if table is None else torch.tensor(table, dtype=torch.int32, device=DEVICE)
+    kb, vb = kbuf.clone(), vbuf.clone()
+    from flashtile.kernels.decode import append_kv
+
+    append_kv(kc, vc, kn, vn, seqlens, idx, table)
+    assert torch.equal(kbuf, kb) and torch.equal(vbuf, vb)
+    # The same call with valid values writes exactly the new rows.
+    seqlens = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    table = None if table is None else torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    idx = None if idx is None else torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    append_kv(kc, vc, kn, vn, seqlens, idx, table)
+    expected_k = kb.clone()
+    kexp = expected_k[2:6]
+    for b, s in enumerate([1, 2]):
+        for t in range(2):
+            pos = s + t
+            if table is not None:
+                kexp[int(table[b, pos // 4]), pos % 4] = kn[b, t]
+            else:
+                kexp[b if idx is None else int(idx[b]), pos] = kn[b, t]
+    assert torch.equal(kbuf, expected_k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["negative_length", "too_long", "row_out_of_range", "negative_row", "bad_page",
+                                  "negative_page"])
+def test_decode_kernel_stays_in_bounds_on_bad_indices(case):
+    """The decode kernel clamps lengths into [0, capacity] and drops rows / pages that do not
+    exist: finite output, and keys are read only from the cache (a sentinel of NaN around the
+    cache would poison the output if any were read)."""
+    paged = "page" in case
+    kbuf = torch.full((8, 4 if paged else 8, 2, 8), float("nan"), device=DEVICE)
+    vbuf = torch.full((8, 4 if paged else 8, 2, 8), float("nan"), device=DEVICE)
+    kc, vc = kbuf[2:6], vbuf[2:6]
+    kc.copy_(torch.randn(kc.shape, generator=_gen(44)).to(DEVICE))
+    vc.copy_(torch.randn(vc.shape, generator=_gen(45)).to(DEVICE))
+    q = torch.randn(2, 1, 4, 8, generator=_gen(46)).to(DEVICE)
+    lengths = {"negative_length": [-5, 3], "too_long": [100, 3]}.get(case, [8 if not paged else 8, 3])
+    idx = {"row_out_of_range": [0, 4], "negative_row": [-1, 0]}.get(case)
+    table = {"bad_page": [[0, 1], [2, 400]], "negative_page": [[0, -2], [2, 3]]}.get(case)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    idx = None if idx is None else torch.tensor(idx, dtype=torch.int32, device=DEVICE)
+    table = None if table is None else torch.tensor(table, dtype=torch.int32, device=DEVICE)
+    for splits in (1, 3):
+        out, lse = kvcache._attend_triton(q, kc, vc, seqlens, idx, table, 8 ** -0.5, -1, -1, 0.0, None, splits)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+# ---------------------------------------------------------------------------------------
+# Launch configs within the shared-memory budget for every legal shape (item 9)
+# ---------------------------------------------------------------------------------------
+
+# flash-attn's kvcache parametrisation: seqlen_q up to 128, MHA / GQA / MQA (6 query heads),
+# d up to 256, contiguous and paged (page 256), several cache lengths.
+_FA_SHAPES = [(sq, nheads, nheads_k, d, paged, seqlen_k, dtype)
+              for sq in (1, 3, 64, 128) for nheads, nheads_k in ((6, 6), (6, 3), (6, 1))
+              for d in (32, 59, 64, 80, 128, 256) for paged in (False, True) for seqlen_k in (256, 800, 2048)
+              for dtype in (torch.float16, torch.float32)]
+
+
+def test_launch_configs_fit_the_shared_memory_budget(monkeypatch):
+    from flashtile.kernels import decode as kd
+    from flashtile.kernels.attention import _padded_headdim
+
+    monkeypatch.setattr(kd, "sm_count", lambda index: 132)  # an H200
+    monkeypatch.setattr(kd, "INTERPRET", False)
+    monkeypatch.setattr(kd, "smem_budget", lambda index: 232448)
+    monkeypatch.delenv(kd.TUNING_ENV, raising=False)
+    for sq, nheads, nheads_k, d, paged, seqlen_k, dtype in _FA_SHAPES:
+        hd = _padded_headdim(d)
+        capacity = -(-seqlen_k // 256) * 256 if paged else seqlen_k
+        elt = torch.empty((), dtype=dtype).element_size()
+        cfg = kd.launch_config(2, nheads_k, capacity, torch.device("cuda", 0), paged, hd, sq * nheads // nheads_k,
+                               elt)
+        need = kd.smem_bytes(cfg.block_m, cfg.block_n, hd, cfg.stages, elt)
+        assert need <= 232448, (sq, nheads, nheads_k, d, paged, seqlen_k, dtype, cfg)
+        assert cfg.block_m * hd <= kd.MAX_TILE_ELEMENTS or cfg.block_m == 16
+    # The tuned decode configs are kept where they fit: one query row per head, d = 128.
+    cfg = kd.launch_config(1, 4, 32768, torch.device("cuda", 0), False, 128, 8, 2)
+    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.num_splits) == (16, 128, kd.STAGES, 32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("paged", [False, True])
+def test_long_query_groups_run_in_several_row_tiles(paged, monkeypatch):
+    """seqlen_q * group above one query tile: the rows are cut over a third grid axis."""
+    from flashtile.kernels import decode as kd
+
+    monkeypatch.setattr(kd, "MAX_TILE_ELEMENTS", 16 * 32)  # 16-row tiles at d = 32
+    q, kc, vc, table = _case(2, 7, 6, 1, 32, 80, 16 if paged else None, seed=50, device=DEVICE)
+    lengths = torch.tensor([80, 33], dtype=torch.int32, device=DEVICE)
+    assert kd.launch_config(2, 1, 80, q.device, paged, 32, 42, 4).block_m == 16
+    out, lse = kvcache._attend_triton(q, kc, vc, lengths, None, table, 32 ** -0.5, -1, 0, 0.0, None, 2)
+    _check(out, lse, q, kc, vc, table, lengths.tolist(), causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [None, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 64, 128])
+@pytest.mark.parametrize("nheads_k", [6, 3, 1])
+def test_gpu_decode_long_query_groups_run(d, page_size, seqlen_q, nheads_k):
+    """Item 9: seqlen_q = 64 with MQA at d = 256 (and d = 128 paged) ran out of shared memory."""
+    for seqlen_k in (256, 800, 2048):
+        q, kc, vc, table = _case(2, seqlen_q, 6, nheads_k, d, seqlen_k, page_size, seed=51, dtype=torch.bfloat16,
+                                 device="cuda")
+        g = _gen(52)
+        knew = torch.randn(2, 3, nheads_k, d, generator=g).to("cuda", torch.bfloat16)
+        vnew = torch.randn(2, 3, nheads_k, d, generator=g).to("cuda", torch.bfloat16)
+        lengths = [seqlen_k - 3, seqlen_k // 3]
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, block_table=table,
+                                                     causal=True, return_lse=True)
+        _check(out, lse, q, kc, vc, table, [n + 3 for n in lengths], causal=True, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_smem_estimate_bounds_the_compiler(monkeypatch):
+    """smem_bytes (which launch_config keeps under the device's budget) is at least what the
+    compiler allocates, for the configs of long query groups."""
+    from flashtile.kernels import decode as kd
+
+    compiled = []
+    real = kd._decode_split
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                kernel = real[grid](*args, **kwargs)
+                compiled.append((kwargs, kernel.metadata.shared))
+                return kernel
+            return launch
+
+    monkeypatch.setattr(kd, "_decode_split", Recorder())
+    for seqlen_q, d, page_size in ((1, 128, None), (64, 256, None), (64, 256, 256), (64, 128, 256), (128, 256, None)):
+        q, kc, vc, table = _case(1, seqlen_q, 6, 1, d, 2048, page_size, seed=53, dtype=torch.bfloat16, device="cuda")
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2048, block_table=table)
+    for kwargs, shared in compiled:
+        bound = kd.smem_bytes(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["HEAD_DIM"], kwargs["num_stages"], 2)
+        assert shared <= bound <= kd.smem_budget(0), (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["HEAD_DIM"],
+                                                      kwargs["num_stages"], shared, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_gpu_seqlens_beyond_the_block_table_rejected(page_size):
+    """Item 8 (flash-attn's test_flash_attn_kvcache_paged_block_table_bounds): cache_seqlens
+    past block_table.shape[1] * page_size, no append, is rejected before any launch; in
+    CUDA-graph capture (no host check) the kernel clamps to the table instead of reading past it."""
+    q, kc, vc, table = _case(2, 1, 4, 2, 64, 512, page_size, seed=54, dtype=torch.bfloat16, device="cuda")
+    capacity = table.shape[1] * page_size
+    seqlens = torch.tensor([capacity + page_size, 5], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\]"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -1"):
+        bad = table.clone()
+        bad[1, 0] = -1
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5, 5], dtype=torch.int32,
+                                                                                device="cuda"), block_table=bad)
+    out, lse = kvcache._attend_triton(q, kc, vc, seqlens, None, table, 0.125, -1, -1, 0.0, None, 0)
+    torch.cuda.synchronize()
+    expected = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([capacity, 5], dtype=torch.int32,
+                                                 device="cuda"), block_table=table, softmax_scale=0.125,
+                                                 return_lse=True)
+    torch.testing.assert_close(out, expected[0], atol=0, rtol=0)
+    torch.testing.assert_close(lse, expected[1], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_bad_indices_in_a_cuda_graph_touch_nothing(page_size):
+    """Inside capture the host cannot check the values: a replay with bad ones writes nothing
+    (the append kernel checks the whole batch first) and reads in bounds (finite output)."""
+    q, kc, vc, table = _case(2, 1, 8, 2, 128, 256, page_size, seed=55, dtype=torch.bfloat16, device="cuda")
+    knew = torch.randn(2, 1, 2, 128, generator=_gen(56)).to("cuda", torch.bfloat16)
+    vnew = torch.randn(2, 1, 2, 128, generator=_gen(57)).to("cuda", torch.bfloat16)
+    seqlens = torch.tensor([5, 70], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, block_table=table,
+                                                 causal=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ([-1, 3], [5, 256], [10**6, 0]):
+        kc0, vc0 = kc.clone(), vc.clone()
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+        assert not torch.isnan(out).any()

@@ -85,7 +85,9 @@ def test_varlen_equals_dense_on_equal_lengths():
         (torch.tensor([0, 5, 9]), 5, ValueError, "int32"),
         (torch.tensor([0, 5, 8], dtype=torch.int32), 5, ValueError, "end at the packed length"),
         (torch.tensor([1, 5, 9], dtype=torch.int32), 5, ValueError, "start at 0"),
-        (torch.tensor([0, 6, 5, 9], dtype=torch.int32), 6, ValueError, "non-decreasing"),
+        (torch.tensor([0, 10, 9], dtype=torch.int32), 10, ValueError,
+         r"non-decreasing.*cu_seqlens_q\[2\] = 9 < cu_seqlens_q\[1\] = 10"),
+        (torch.tensor([0, 5, 9], dtype=torch.int32), -1, ValueError, "max_seqlen_q must be >= 0"),
         (torch.tensor([0, 5, 9], dtype=torch.int32), 4, ValueError, "max_seqlen_q"),
         (torch.tensor([[0, 5, 9]], dtype=torch.int32), 5, ValueError, "1-D"),
         ([0, 5, 9], 5, TypeError, "cu_seqlens_q"),
@@ -228,3 +230,13 @@ def test_gpu_varlen_matches_reference(dtype, causal):
         for name, got, r, lo in (("dq", grads[0][None, sq], ref[2], low[2]), ("dk", grads[1][None, sk], ref[3], low[3]),
                                  ("dv", grads[2][None, sk], ref[4], low[4])):
             assert_close_to_reference(got, r, lo, f"{name}[{b}]", atol_floor=1e-2)
+
+
+def test_varlen_traces_with_fullgraph():
+    """The cu_seqlens value check reads values on the host, which tracing cannot: it is
+    skipped while torch.compile traces (the check runs again in every eager call)."""
+    q = torch.randn(9, 2, 16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    fn = torch.compile(lambda q, cu: flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, causal=True),
+                       fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(q, cu), flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, causal=True))

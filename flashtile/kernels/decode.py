@@ -87,13 +87,23 @@ def _knobs(env_text: str) -> dict:
 
 
 @triton.jit
-def _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_kb, stride_kn, PAGED: tl.constexpr,
-                PAGE_SIZE: tl.constexpr):
-    """Row offsets of ``keys`` in the cache (int64): contiguous or through the block table."""
+def _cache_slots(keys, key_ok, cache_b, b, BLOCK_TABLE, stride_bt, num_blocks, PAGED: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr):
+    """``(cache index, row in it, ok)`` of ``keys`` (int64).  A paged cache's block table is read
+    only for keys in range, and a page id outside ``[0, num_blocks)`` is not followed: its
+    keys are dropped (``ok`` False) -- the launcher checks the values on the host where it
+    can, and this keeps the loads in bounds where it cannot (CUDA-graph capture)."""
     if PAGED:
-        page = tl.load(BLOCK_TABLE + b * stride_bt + keys // PAGE_SIZE)
-        return page.to(tl.int64) * stride_kb + (keys % PAGE_SIZE).to(tl.int64) * stride_kn
-    return cache_b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_kn
+        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + keys // PAGE_SIZE, mask=key_ok, other=0)
+        page_ok = (page >= 0) & (page < num_blocks)
+        idx = tl.where(page_ok, page, 0).to(tl.int64)
+        slot = (keys % PAGE_SIZE).to(tl.int64)
+        ok = key_ok & page_ok
+    else:
+        idx = cache_b.to(tl.int64) + tl.zeros_like(keys).to(tl.int64)
+        slot = keys.to(tl.int64)
+        ok = key_ok
+    return idx, slot, ok
 
 
 @triton.jit
@@ -102,7 +112,7 @@ def _decode_split(
     OUT, LSE, stride_ob, stride_on, stride_oh,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all,
+    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all, capacity, cache_rows,
     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
     HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -124,13 +134,20 @@ def _decode_split(
         seqlen_k = tl.load(SEQLENS_K + b)
     else:
         seqlen_k = seqlen_k_all
+    # Index values are clamped into the cache (a length in [0, capacity], a row or page id
+    # that exists): the host checks them where it can read them, not inside CUDA-graph
+    # capture, and no value may make this kernel read out of bounds.
+    seqlen_k = tl.minimum(tl.maximum(seqlen_k, 0), capacity)
     if HAS_BATCH_IDX:
         cache_b = tl.load(CACHE_BATCH_IDX + b)
+        row_exists = (cache_b >= 0) & (cache_b < cache_rows)
+        seqlen_k = tl.where(row_exists, seqlen_k, 0)
+        cache_b = tl.where(row_exists, cache_b, 0)
     else:
         cache_b = b
 
-    # Rows of the tile: every query position of every head of the group.
-    rows = tl.arange(0, BLOCK_M)
+    # Rows of the tile: query positions of the heads of the group, BLOCK_M at a time.
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     i = rows % seqlen_q  # query position
     h = hk * group + rows // seqlen_q  # query head
     row_ok = rows < group * seqlen_q
@@ -156,9 +173,10 @@ def _decode_split(
     end = tl.minimum(start + chunk, seqlen_k)
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
-        key_ok = keys < seqlen_k
-        k_rows = _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_kb, stride_kn, PAGED, PAGE_SIZE)
-        v_rows = _cache_rows(keys, cache_b, b, BLOCK_TABLE, stride_bt, stride_vb, stride_vn, PAGED, PAGE_SIZE)
+        idx, slot, key_ok = _cache_slots(keys, keys < seqlen_k, cache_b, b, BLOCK_TABLE, stride_bt, cache_rows,
+                                         PAGED, PAGE_SIZE)
+        k_rows = idx * stride_kb + slot * stride_kn
+        v_rows = idx * stride_vb + slot * stride_vn
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -169,6 +187,8 @@ def _decode_split(
             s = qk * qk_scale
         visible = band_mask(i[:, None], keys[None, :], seqlen_q, seqlen_k, window_left, window_right,
                             MASK_LEFT, MASK_RIGHT)
+        if PAGED:
+            visible = visible & key_ok[None, :]  # keys behind an invalid page id
         s = tl.where(visible, s, float("-inf"))
         m_new, m_sub = _online_max(s, m_i, 1.0, True)  # every tile may hold masked keys
         p = tl.math.exp2(s - m_sub[:, None])
@@ -178,8 +198,10 @@ def _decode_split(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    # A row with no visible key gives 0 by selection: its acc may hold 0 * inf = NaN from a
+    # masked key's V, which no multiplication by 0 would clear.
     empty = l_i == 0.0
-    out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    out = tl.where(empty[:, None], 0.0, acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     nheads = nheads_k * group
     batch = tl.num_programs(0) // nheads_k
@@ -226,7 +248,7 @@ def _combine_splits(
     offs_d = tl.arange(0, HEAD_DIM)
     o = tl.load(O_PART + (((s[:, None] * batch + b) * seqlen_q + i) * nheads + h) * HEAD_DIM + offs_d[None, :],
                 mask=s_ok[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0)
+    out = tl.where(empty, 0.0, tl.sum(o * w[:, None], 0))
     out_off = b.to(tl.int64) * stride_ob + i.to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
     tl.store(OUT + out_off + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < headdim)
     lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
@@ -279,6 +301,62 @@ def launch_shape(batch: int, nheads_k: int, capacity: int, device: torch.device,
     return block_n, num_splits
 
 
+# Query rows per program: the whole GQA group (seqlen_q * group rows) in one tile while it is
+# small, so each K/V tile is read once for the group; long groups (seqlen_q up to 128 with
+# MQA is a legal shape) are cut into tiles of at most MAX_TILE_ELEMENTS / head dim rows (the
+# fp32 accumulator stays at 128 registers per thread with 4 warps) on a third grid axis.
+MAX_TILE_ELEMENTS = 128 * 128
+# Shared memory of an H100 / H200 SM available to one program, for devices that do not report
+# theirs (the interpreter), so that the configs chosen there are those of the GPU.
+DEFAULT_SMEM_BYTES = 232448
+
+
+@functools.lru_cache(maxsize=None)
+def smem_budget(device_index: int | None) -> int:
+    """Bytes of shared memory one program may use on that CUDA device (``None``: the default)."""
+    if device_index is None or INTERPRET:
+        return DEFAULT_SMEM_BYTES
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def smem_bytes(block_m: int, block_n: int, hd: int, stages: int, elt: int) -> int:
+    """An upper bound of ``_decode_split``'s shared memory: the Q tile, ``stages`` buffers of a
+    K and a V tile, and the P tile of the second product (checked against the compiler's
+    figure on an H200: tests/test_kvcache.py::test_gpu_decode_smem_estimate_bounds_the_compiler)."""
+    return elt * (block_m * hd + 2 * stages * block_n * hd + block_m * block_n)
+
+
+class DecodeConfig(types.SimpleNamespace):
+    """``block_m``, ``block_n``, ``stages``, ``num_splits`` of a decode launch."""
+
+
+def launch_config(batch: int, nheads_k: int, capacity: int, device: torch.device, paged: bool, hd: int,
+                  rows: int, elt: int, knob=None) -> DecodeConfig:
+    """The tiles of a launch: :func:`launch_shape`'s key tile and splits, query tiles of up to
+    ``MAX_TILE_ELEMENTS / hd`` rows, then -- while the shared memory this needs exceeds the
+    device's -- fewer pipeline stages (down to 2), narrower key tiles (down to 16), shorter
+    query tiles (down to 16), one stage.  ``rows``: seqlen_q * group; ``elt``: bytes per element."""
+    knob = knob or knobs()
+    block_n, num_splits = launch_shape(batch, nheads_k, capacity, device, paged, hd, knob)
+    block_m = max(16, min(next_power_of_2(rows), max(16, MAX_TILE_ELEMENTS // hd)))
+    stages = 1 if INTERPRET else knob["stages"]
+    budget = smem_budget(device.index or 0 if device.type == "cuda" else None)
+    while smem_bytes(block_m, block_n, hd, stages, elt) > budget:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+            num_splits = choose_num_splits(batch, nheads_k, capacity, device, block_n, knob["programs_per_sm"],
+                                           knob["min_tiles_per_split"])
+        elif block_m > 16:
+            block_m //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break  # 16 x 16 tiles, one stage: a few KB whatever the head dim
+    return DecodeConfig(block_m=block_m, block_n=block_n, stages=stages, num_splits=num_splits)
+
+
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
            softcap, alibi_slopes, num_splits):
     """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
@@ -300,8 +378,10 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     hd = _padded_headdim(d)
     knob = knobs()
-    block_n, auto_splits = launch_shape(batch, nheads_k, capacity, q.device, paged, hd, knob)
-    num_splits = num_splits if num_splits > 0 else auto_splits
+    group = nheads // nheads_k
+    cfg = launch_config(batch, nheads_k, capacity, q.device, paged, hd, group * seqlen_q, q.element_size(), knob)
+    block_n = cfg.block_n
+    num_splits = num_splits if num_splits > 0 else cfg.num_splits
     out = torch.empty((batch, seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     direct = num_splits == 1
@@ -311,12 +391,11 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
-    group = nheads // nheads_k
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     has_seqlens = isinstance(seqlens_k, torch.Tensor)
     placeholder = lse  # for pointer arguments the kernel does not read
-    _decode_split[(batch * nheads_k, num_splits)](
+    _decode_split[(batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))](
         q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder, mods["alibi"], mods["stride_ab"],
@@ -325,14 +404,14 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
-        seqlen_q, nheads_k, group, chunk, num_splits, 0 if has_seqlens else seqlens_k,
+        seqlen_q, nheads_k, group, chunk, num_splits, 0 if has_seqlens else seqlens_k, capacity, k_cache.shape[0],
         softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"], mods["softcap_log2"],
-        HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=max(16, next_power_of_2(group * seqlen_q)),
+        HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
         DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, DIRECT=direct,
-        num_warps=4 if INTERPRET else knob["warps"], num_stages=1 if INTERPRET else knob["stages"],
+        num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
     )
     if not direct:
         _combine_splits[(batch * seqlen_q * nheads,)](
@@ -342,3 +421,89 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
             num_warps=1 if INTERPRET else 4,
         )
     return out, lse
+
+
+@triton.jit
+def _append_kv(
+    K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE,
+    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_btc,
+    batch, seqlen_new, nheads_k, headdim, capacity, cache_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+):
+    """New keys / values ``BLOCK_T`` positions of one sequence (grid: batch, position tiles) at
+    ``SEQLENS[b] ...``.  Every program first checks the index values of the *whole* batch --
+    lengths in ``[0, capacity - seqlen_new]``, cache rows and the pages that receive keys in
+    ``[0, cache_rows)`` -- and writes nothing unless all are valid: a launch with a bad value
+    (possible only where the host could not read them, in CUDA-graph capture) changes nothing
+    and touches nothing out of bounds."""
+    b = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    b_ok = offs_b < batch
+    lens = tl.load(SEQLENS + offs_b, mask=b_ok, other=0).to(tl.int64)
+    ok = (lens >= 0) & (lens <= capacity - seqlen_new)
+    if HAS_BATCH_IDX:
+        cbi = tl.load(CACHE_BATCH_IDX + offs_b, mask=b_ok, other=0)
+        ok = ok & (cbi >= 0) & (cbi < cache_rows)
+    if PAGED:
+        # The block-table columns holding positions lens[b] ... lens[b] + seqlen_new - 1.
+        col = (tl.where(ok, lens, 0) // PAGE_SIZE)[:, None] + tl.arange(0, BLOCK_P)[None, :]
+        col_ok = b_ok[:, None] & ok[:, None] & (col <= ((lens + seqlen_new - 1) // PAGE_SIZE)[:, None])
+        pages = tl.load(BLOCK_TABLE + offs_b[:, None].to(tl.int64) * stride_bt + col * stride_btc, mask=col_ok,
+                        other=0)
+        page_bad = col_ok & ((pages < 0) | (pages >= cache_rows))
+        ok = ok & (tl.max(page_bad.to(tl.int32), 1) == 0)
+    all_ok = tl.min(tl.where(b_ok, ok, True).to(tl.int32), 0) == 1
+
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = (t < seqlen_new) & all_ok
+    pos = tl.load(SEQLENS + b).to(tl.int64) + t
+    pos = tl.where(t_ok, pos, 0)
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + (pos // PAGE_SIZE) * stride_btc, mask=t_ok, other=0)
+        idx, row = page.to(tl.int64), pos % PAGE_SIZE
+    else:
+        if HAS_BATCH_IDX:
+            cache_b = tl.load(CACHE_BATCH_IDX + b)
+        else:
+            cache_b = b
+        idx, row = cache_b.to(tl.int64) + tl.zeros_like(pos), pos
+    idx = tl.where(t_ok, idx, 0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = t_ok[:, None] & (offs_d < headdim)[None, :]
+    for h in range(nheads_k):
+        kn = tl.load(K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + h * stride_knh
+                     + offs_d[None, :], mask=mask, other=0.0)
+        vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + h * stride_vnh
+                     + offs_d[None, :], mask=mask, other=0.0)
+        tl.store(K_CACHE + (idx * stride_kb + row * stride_kn)[:, None] + h * stride_kh + offs_d[None, :],
+                 kn.to(K_CACHE.dtype.element_ty), mask=mask)
+        tl.store(V_CACHE + (idx * stride_vb + row * stride_vn)[:, None] + h * stride_vh + offs_d[None, :],
+                 vn.to(V_CACHE.dtype.element_ty), mask=mask)
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    """Write ``k``, ``v`` ``(batch, seqlen_new, nheads_k, d)`` into the cache at positions
+    ``cache_seqlens[b] ...`` in place: one launch (the torch equivalent is two scatters and
+    the index arithmetic before them), nothing written unless every index is valid."""
+    batch, seqlen_new, nheads_k, d = k.shape
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    cache_seqlens = cache_seqlens.contiguous()
+    cache_batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
+    block_t = min(64, max(1, next_power_of_2(seqlen_new)))
+    placeholder = cache_seqlens
+    _append_kv[(batch, cdiv(seqlen_new, block_t))](
+        k, v, k_cache, v_cache, cache_seqlens,
+        cache_batch_idx if cache_batch_idx is not None else placeholder,
+        block_table if paged else placeholder,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
+        batch, seqlen_new, nheads_k, d, capacity, k_cache.shape[0],
+        HEAD_DIM=next_power_of_2(d), BLOCK_T=block_t, BLOCK_B=max(2, next_power_of_2(batch)),
+        BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)), PAGED=paged, PAGE_SIZE=page_size,
+        HAS_BATCH_IDX=cache_batch_idx is not None, num_warps=4,
+    )

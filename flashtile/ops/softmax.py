@@ -57,10 +57,11 @@ def _check(x, dim, scale, mask):
 def _torch_softmax(x, dim, scale, mask, log):
     """The CPU path: the same function in float32 PyTorch (empty rows give 0 / -inf, not NaN)."""
     if x.shape[dim] == 0:
-        return x.new_empty(x.shape)
+        return x.clone()  # empty, and still in x's autograd graph as torch.softmax's result is
     t = x.float() * scale
     if mask is not None:
-        t = t.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else t + mask.float()
+        # The mask receives no gradient, as on the Triton path (README, softmax).
+        t = t.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else t + mask.detach().float()
     m = t.amax(dim=dim, keepdim=True)
     shifted = t - torch.where(m == float("-inf"), 0.0, m)
     l = shifted.exp().sum(dim=dim, keepdim=True)

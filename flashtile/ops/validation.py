@@ -46,18 +46,32 @@ def _check_tensor(name: str, t, rank: int, layout: str) -> None:
         )
 
 
+def _type_name(value) -> str:
+    """``float``, ``numpy.float32``: builtins by name, anything else with its module."""
+    cls = type(value)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_numpy_bool(value) -> bool:
+    # numpy is optional: recognise its bool scalar without importing it.
+    cls = type(value)
+    return cls.__module__ == "numpy" and cls.__name__ in ("bool", "bool_")
+
+
 def _check_scalar(name: str, value, kind, accepted: str):
+    if kind is bool and _is_numpy_bool(value):
+        return bool(value)
     if isinstance(value, bool) and kind is not bool:
         raise TypeError(f"{name} must be {accepted}, got bool")
     if kind is float:
         if not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
+            raise TypeError(f"{name} must be {accepted}, got {_type_name(value)}")
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"{name} must be {accepted}, got {value}")
         return value
     if not isinstance(value, kind):
-        raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {accepted}, got {_type_name(value)}")
     return value
 
 
@@ -187,29 +201,185 @@ def check_attention_scalars(headdim: int, *, dropout_p=0.0, softmax_scale=None, 
     )
 
 
-def check_cu_seqlens(name: str, cu_seqlens, total: int, device, max_seqlen, max_name: str) -> int:
-    """``cu_seqlens``: int32, 1-D, ``batch + 1`` prefix sums ending at ``total``.  Returns batch.
+# ----------------------------------------------------------------------------------------
+# Index-like inputs (cu_seqlens, cache_seqlens, cache_batch_idx, block_table)
+# ----------------------------------------------------------------------------------------
+#
+# Their dtype, shape and device are checked on every call.  Their *values* decide which
+# memory a kernel touches, so they are checked too, before anything is written -- but
+# reading a CUDA tensor's values on the host is a device-to-host copy that waits for the
+# GPU (a sync), impossible inside CUDA-graph capture and a graph break under
+# torch.compile.  The rule: values are read whenever ``values_readable`` says so (CPU
+# tensors always; CUDA tensors outside capture and tracing, with one copy for all of a
+# call's index tensors, so one sync per call).  When they cannot be read, the kernels
+# that take them (the decode and append kernels) clamp every index they load, so no
+# value makes them read or write out of bounds.
 
-    The values themselves (0 first, non-decreasing, last == total) are checked only for CPU
-    tensors: on a GPU that check would cost a device-to-host sync on every call.
-    """
+
+def values_readable(*tensors) -> bool:
+    """Whether the values of ``tensors`` may be read on the host now: not while torch.compile
+    traces, and for CUDA tensors not while the current stream captures a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):
+        return not torch.cuda.is_current_stream_capturing()
+    return True
+
+
+def to_host(*tensors) -> list[torch.Tensor]:
+    """CPU int64 copies of index tensors, with one device-to-host copy (one sync) for all of
+    them when they are on a GPU."""
+    present = [t for t in tensors if t is not None]
+    if not present or not present[0].is_cuda:
+        flat = [t.long() for t in present]
+    else:
+        joined = torch.cat([t.reshape(-1).long() for t in present]).cpu()
+        flat = list(joined.split([t.numel() for t in present]))
+        flat = [f.reshape(t.shape) for f, t in zip(flat, present)]
+    it = iter(flat)
+    return [None if t is None else next(it) for t in tensors]
+
+
+def check_index_tensor(name: str, t, device, shape: tuple, layout: str) -> None:
+    """An int32 / int64 index tensor of ``shape`` (``None`` entries: any size) on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {_type_name(t)}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32 (or int64) tensor, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {_type_name(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_cu_seqlens(name: str, cu_seqlens, total: int, device, max_seqlen, max_name: str, values: bool = True) -> int:
+    """``cu_seqlens``: int32, 1-D, ``batch + 1`` entries on ``device``; ``max_seqlen`` an int
+    >= 0.  Returns batch.  With ``values``, also :func:`check_cu_seqlens_values` (a caller
+    with two such tensors passes False and checks both values with one copy)."""
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (int32 prefix sums), got {type(cu_seqlens).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor (int32 prefix sums), got {_type_name(cu_seqlens)}")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{name} must be torch.int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"{name} must be on q's device ({device}), got {cu_seqlens.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise TypeError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
-    if cu_seqlens.device.type == "cpu":
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        if int(cu_seqlens[0]) != 0 or bool((lens < 0).any()) or int(cu_seqlens[-1]) != total:
-            raise ValueError(
-                f"{name} must start at 0, be non-decreasing and end at the packed length {total}, "
-                f"got {cu_seqlens.tolist()}"
-            )
-        if int(lens.max()) > max_seqlen:
-            raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({int(lens.max())})")
+    check_max_seqlen(max_name, max_seqlen)
+    if values:
+        check_cu_seqlens_values((name, cu_seqlens, total, max_seqlen, max_name))
     return cu_seqlens.numel() - 1
+
+
+def check_cu_seqlens_values(*specs) -> None:
+    """Each ``(name, cu_seqlens, total, max_seqlen, max_name)``: 0 first, non-decreasing, the
+    packed length ``total`` last, no sequence longer than ``max_seqlen`` -- when the values
+    are readable (one device-to-host copy for all of them on a GPU)."""
+    if not values_readable(*(spec[1] for spec in specs)):
+        return
+    for (name, _, total, max_seqlen, max_name), cu in zip(specs, to_host(*(spec[1] for spec in specs))):
+        lens = cu[1:] - cu[:-1]
+        bad = (lens < 0).nonzero()
+        if int(cu[0]) != 0 or bad.numel() or int(cu[-1]) != total:
+            where = (f"{name}[0] = {int(cu[0])}" if int(cu[0]) != 0 else
+                     f"{name}[{int(bad[0]) + 1}] = {int(cu[int(bad[0]) + 1])} < {name}[{int(bad[0])}] = "
+                     f"{int(cu[int(bad[0])])}" if bad.numel() else f"{name}[-1] = {int(cu[-1])}")
+            raise ValueError(f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
+                             f"got {where} ({cu.tolist()})")
+        longest = int(lens.max())
+        if longest > max_seqlen:
+            raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence "
+                             f"({longest}, sequence {int(lens.argmax())})")
+
+
+def kvcache_capacity(k_cache: torch.Tensor, block_table) -> int:
+    """Key positions one sequence of a KV cache can hold: the cache length, or the pages of a
+    block-table row times the page size."""
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
+def check_kvcache_cache_layout(name: str, cache: torch.Tensor) -> None:
+    """A cache that receives an in-place append must give every position its own memory: an
+    expanded (stride-0) view would write one value to many positions."""
+    for dim, (size, stride) in enumerate(zip(cache.shape, cache.stride())):
+        if stride == 0 and size > 1:
+            raise ValueError(
+                f"{name} has stride 0 in dimension {dim} (an expanded view, shape {tuple(cache.shape)}, strides "
+                f"{tuple(cache.stride())}): an in-place append would write several positions at once; pass a "
+                f"cache with its own memory (e.g. .contiguous())"
+            )
+
+
+def check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, *, seqlen_new: int, capacity: int,
+                               cache_rows: int) -> None:
+    """The values of ``flash_attn_with_kvcache``'s index inputs, when readable (one
+    device-to-host copy for all of them on a GPU; see ``values_readable``).
+
+    ``cache_seqlens[b] >= 0`` and ``cache_seqlens[b] + seqlen_new <= capacity``;
+    ``0 <= cache_batch_idx[b] < cache_rows`` and, with an append, no row twice; the pages of
+    ``block_table`` that hold a sequence's keys (after the append) in ``[0, cache_rows)``, and
+    with an append every page that receives new keys held by that one sequence at one block
+    (else another sequence, or another block of the same one, would read them).
+    ``cache_seqlens`` may be a Python int (checked for free)."""
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
+            raise ValueError(_seqlen_message(f"cache_seqlens ({cache_seqlens})", cache_seqlens, seqlen_new, capacity))
+        if cache_batch_idx is None and block_table is None:
+            return
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, block_table) if isinstance(t, torch.Tensor)]
+    if not values_readable(*tensors):
+        return
+    lens, rows, table = to_host(cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+                                cache_batch_idx, block_table)
+    batch = (rows if rows is not None else table if table is not None else lens).shape[0]
+    if lens is None:
+        lens = torch.full((batch,), cache_seqlens, dtype=torch.int64)
+    else:
+        for b in (lens < 0).nonzero().flatten().tolist() + (lens + seqlen_new > capacity).nonzero().flatten().tolist():
+            raise ValueError(_seqlen_message(f"cache_seqlens[{b}] = {int(lens[b])}", int(lens[b]), seqlen_new,
+                                             capacity))
+    if rows is not None:
+        for b in ((rows < 0) | (rows >= cache_rows)).nonzero().flatten().tolist():
+            raise ValueError(f"cache_batch_idx[{b}] = {int(rows[b])} is not a row of the cache: it must be in "
+                             f"[0, {cache_rows}) (k_cache.shape[0])")
+        if seqlen_new:
+            order = rows.argsort(stable=True)
+            same = (rows[order][1:] == rows[order][:-1]).nonzero().flatten().tolist()
+            if same:
+                first, second = order[same[0]].item(), order[same[0] + 1].item()
+                raise ValueError(f"cache_batch_idx[{first}] = cache_batch_idx[{second}] = {int(rows[first])}: with an "
+                                 f"append (k, v) each sequence needs its own cache row, else it reads the other's "
+                                 f"new keys")
+    if table is not None:
+        page_size = capacity // table.shape[1]
+        used = torch.arange(table.shape[1])[None, :] < ((lens + seqlen_new + page_size - 1) // page_size)[:, None]
+        bad = (used & ((table < 0) | (table >= cache_rows))).nonzero().tolist()
+        if bad:
+            b, j = bad[0]
+            raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the cache: the pages that "
+                             f"hold keys must be in [0, {cache_rows}) (k_cache.shape[0])")
+        if seqlen_new:
+            first = lens // page_size
+            last = (lens + seqlen_new - 1) // page_size
+            cols = torch.arange(table.shape[1])[None, :]
+            written = (cols >= first[:, None]) & (cols <= last[:, None])
+            count = torch.bincount(table[used], minlength=cache_rows)
+            shared = (written & (count[table.clamp(0, cache_rows - 1)] > 1)).nonzero().tolist()
+            if shared:
+                b, j = shared[0]
+                raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} receives appended keys of sequence {b} "
+                                 f"but holds other keys too (another sequence, or another block of this one, maps "
+                                 f"to that page): each page written by an append must be used once")
+
+
+def _seqlen_message(what: str, value: int, seqlen_new: int, capacity: int) -> str:
+    appended = f" (+ seqlen_new {seqlen_new} = {value + seqlen_new})" if seqlen_new else ""
+    return (f"{what}{appended} is out of range: cache_seqlens must be >= 0 and cache_seqlens + seqlen_new <= "
+            f"the cache capacity ({capacity} positions per sequence)")
