@@ -20,6 +20,8 @@ def rotate_torch(x, cos, sin, out, *, interleaved, conjugate, seqlen_offsets, cu
     """The PyTorch path: same contract as :func:`flashtile.kernels.rotary.rotate`."""
     half = cos.shape[1]
     rotary_dim = 2 * half
+    if out is not x and rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
     positions = _positions(x, seqlen_offsets, cu_seqlens)  # x's leading (token) axes
     cos_at = cos.float()[positions].unsqueeze(-2)  # (..., 1, half): one angle for every head
     sin_at = sin.float()[positions].unsqueeze(-2)
@@ -68,9 +70,6 @@ def _backend(x):
 
 def _rotary(x, cos, sin, inplace, conjugate, args):
     out = x if inplace else torch.empty_like(x)
-    rotary_dim = 2 * cos.shape[1]
-    if not inplace and rotary_dim < x.shape[-1]:
-        out[..., rotary_dim:] = x[..., rotary_dim:]
     return _backend(x)(x, cos, sin, out, conjugate=conjugate, **args)
 
 

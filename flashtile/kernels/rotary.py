@@ -14,7 +14,7 @@ GPT-J).  The backward pass is the same rotation by the opposite angle (``-sin``,
 One program rotates a tile of ``BLOCK_M`` tokens x ``BLOCK_H`` heads x ``BLOCK_K`` pairs of
 one sequence: the ``(BLOCK_M, BLOCK_K)`` cos / sin tile is loaded once and serves every head.
 Each program reads exactly the elements it writes, so ``out`` may be ``x`` (in place).
-The features past ``rotary_dim`` are not touched here (the caller copies them when needed).
+Out of place, the features past ``rotary_dim`` are copied through by the same program.
 """
 
 import torch
@@ -31,13 +31,13 @@ HEAD_TILE_ELEMENTS = 512
 @triton.jit
 def _rotary_kernel(
     X, OUT, COS, SIN, CU_SEQLENS, SEQLEN_OFFSETS,
-    seqlen, nheads, seqlen_ro, half_rotary,
+    seqlen, nheads, seqlen_ro, half_rotary, headdim,
     stride_xb, stride_xs, stride_xh, stride_xd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_cos_p, stride_cos_k, stride_sin_p, stride_sin_k,
     INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    OFFSETS_IN_TENSOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    OFFSETS_IN_TENSOR: tl.constexpr, COPY_REST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -76,29 +76,42 @@ def _rotary_kernel(
     cos = cos[:, None, :]
     sin = sin[:, None, :]
 
-    # The two features of pair k.
-    if INTERLEAVED:
-        first_feature = 2 * pairs
-        second_feature = 2 * pairs + 1
-    else:
-        first_feature = pairs
-        second_feature = pairs + half_rotary
-
     tokens = (first_token + rows).to(tl.int64)
-    mask = row_ok[:, None, None] & (heads < nheads)[None, :, None] & pair_ok[None, None, :]
-    x_tile = tokens[:, None, None] * stride_xs + heads[None, :, None] * stride_xh
-    out_tile = tokens[:, None, None] * stride_os + heads[None, :, None] * stride_oh
-    x1 = tl.load(X + x_tile + first_feature[None, None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_tile + second_feature[None, None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    token_head_ok = row_ok[:, None, None] & (heads < nheads)[None, :, None]
+    x_tile = X + tokens[:, None, None] * stride_xs + heads[None, :, None] * stride_xh
+    out_tile = OUT + tokens[:, None, None] * stride_os + heads[None, :, None] * stride_oh
 
-    out1 = x1 * cos - x2 * sin
-    out2 = x1 * sin + x2 * cos
-    tl.store(OUT + out_tile + first_feature[None, None, :] * stride_od, out1.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + out_tile + second_feature[None, None, :] * stride_od, out2.to(OUT.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        # Pair k is features (2k, 2k + 1): load the rotary features as one contiguous run and
+        # split it into (even, odd) through a (..., BLOCK_K, 2) view.
+        features = tl.arange(0, 2 * BLOCK_K)
+        mask = token_head_ok & (features < 2 * half_rotary)[None, None, :]
+        x = tl.load(x_tile + features[None, None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_H, BLOCK_K, 2]))
+        out1 = x1 * cos - x2 * sin
+        out2 = x1 * sin + x2 * cos
+        out = tl.reshape(tl.join(out1, out2), [BLOCK_M, BLOCK_H, 2 * BLOCK_K])
+        tl.store(out_tile + features[None, None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        # Pair k is features (k, k + rotary_dim / 2): the two halves, each contiguous.
+        mask = token_head_ok & pair_ok[None, None, :]
+        first = pairs[None, None, :]
+        second = first + half_rotary
+        x1 = tl.load(x_tile + first * stride_xd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_tile + second * stride_xd, mask=mask, other=0.0).to(tl.float32)
+        out1 = x1 * cos - x2 * sin
+        out2 = x1 * sin + x2 * cos
+        tl.store(out_tile + first * stride_od, out1.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(out_tile + second * stride_od, out2.to(OUT.dtype.element_ty), mask=mask)
 
+    if COPY_REST:
+        rest = 2 * half_rotary + tl.arange(0, BLOCK_REST)
+        mask = token_head_ok & (rest < headdim)[None, None, :]
+        rest = rest[None, None, :]
+        tl.store(out_tile + rest * stride_od, tl.load(x_tile + rest * stride_xd, mask=mask), mask=mask)
 
 def rotate(x, cos, sin, out, *, interleaved, conjugate, seqlen_offsets, cu_seqlens, max_seqlen):
-    """Write the first ``rotary_dim = 2 * cos.shape[1]`` features of ``x``, rotated, into ``out``.
+    """Write ``x`` with its first ``rotary_dim = 2 * cos.shape[1]`` features rotated into ``out``.
 
     ``x`` and ``out`` are ``(batch, seqlen, nheads, headdim)``, or packed ``(total, nheads,
     headdim)`` with int32 ``cu_seqlens`` and ``max_seqlen``, any strides; ``out`` may be ``x``.
@@ -121,18 +134,21 @@ def rotate(x, cos, sin, out, *, interleaved, conjugate, seqlen_offsets, cu_seqle
     if batch == 0 or seqlen == 0 or nheads == 0 or x.numel() == 0:
         return out
 
+    headdim = x.shape[-1]
+    copy_rest = out is not x and 2 * half_rotary < headdim
     block_k = next_power_of_2(half_rotary)
     block_h = min(next_power_of_2(nheads), max(1, HEAD_TILE_ELEMENTS // block_k))
     grid = (cdiv(seqlen, BLOCK_M), cdiv(nheads, block_h), batch)
     _rotary_kernel[grid](
         x, out, cos, sin, cu_seqlens, seqlen_offsets,
-        seqlen, nheads, cos.shape[0], half_rotary,
+        seqlen, nheads, cos.shape[0], half_rotary, headdim,
         stride_xb, x.stride(-3), x.stride(-2), x.stride(-1),
         stride_ob, out.stride(-3), out.stride(-2), out.stride(-1),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=varlen,
-        OFFSETS_IN_TENSOR=offsets_in_tensor,
+        OFFSETS_IN_TENSOR=offsets_in_tensor, COPY_REST=copy_rest,
         BLOCK_M=BLOCK_M, BLOCK_H=block_h, BLOCK_K=block_k,
+        BLOCK_REST=next_power_of_2(headdim - 2 * half_rotary) if copy_rest else 1,
         num_warps=4,
     )
     return out
