@@ -340,7 +340,7 @@ def launch_config(batch: int, nheads_k: int, capacity: int, device: torch.device
     block_n, num_splits = launch_shape(batch, nheads_k, capacity, device, paged, hd, knob)
     block_m = max(16, min(next_power_of_2(rows), max(16, MAX_TILE_ELEMENTS // hd)))
     stages = 1 if INTERPRET else knob["stages"]
-    budget = smem_budget(device.index or 0 if device.type == "cuda" else None)
+    budget = smem_budget((device.index or 0) if device.type == "cuda" else None)
     while smem_bytes(block_m, block_n, hd, stages, elt) > budget:
         if stages > 2:
             stages -= 1
