@@ -110,6 +110,7 @@ def _rotary_kernel(
         rest = rest[None, None, :]
         tl.store(out_tile + rest * stride_od, tl.load(x_tile + rest * stride_xd, mask=mask), mask=mask)
 
+
 def rotate(x, cos, sin, out, *, interleaved, conjugate, seqlen_offsets, cu_seqlens, max_seqlen):
     """Write ``x`` with its first ``rotary_dim = 2 * cos.shape[1]`` features rotated into ``out``.
 
