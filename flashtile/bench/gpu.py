@@ -6,7 +6,11 @@ FLOPs: ``4 * batch * nheads * seqlen^2 * headdim`` forward (halved when causal),
 for the backward and 3.5 for forward + backward.  Timings are medians from
 ``triton.testing.do_bench`` (CUDA events).  Peers:
 
-* ``flashtile`` -- this library (``flash_attn_func``);
+* ``flashtile`` -- this library (``flash_attn_func``), on the engine the dispatch rule picks
+  (``flashtile/kernels/engine.py``: the Gluon kernels on Hopper, the ``tl.*`` kernels
+  elsewhere); each of its records names that engine in ``path``;
+* ``flashtile_triton`` -- the same call forced onto the portable ``tl.*`` kernels
+  (``FLASHTILE_ENGINE=triton``), so both engines stand beside the peers;
 * ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient`` -- PyTorch SDPA pinned to one backend;
 * ``flex`` -- FlexAttention under ``torch.compile`` (the recompile limit is raised, otherwise
   new shapes silently fall back to eager);
@@ -16,6 +20,7 @@ for the backward and 3.5 for forward + backward.  Timings are medians from
 from __future__ import annotations
 
 
+import os
 from pathlib import Path
 
 import torch
@@ -24,7 +29,7 @@ from flashtile.bench.common import compile_for_benchmark, default_out_dir, envir
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
-ALL_IMPLS = ("flashtile", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "naive")
+ALL_IMPLS = ("flashtile", "flashtile_triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "naive")
 NAIVE_BYTES_LIMIT = 48 * 2**30
 MEMORY_SEQLENS = (1024, 4096, 16384, 32768)
 
@@ -45,6 +50,22 @@ def _impl_fn(impl: str, causal: bool, headdim: int):
         import flashtile
 
         return lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal)
+    if impl == "flashtile_triton":
+        import flashtile
+        from flashtile.kernels.engine import ENGINE_ENV
+
+        def on_triton(q, k, v):
+            saved = os.environ.get(ENGINE_ENV)
+            os.environ[ENGINE_ENV] = "triton"
+            try:
+                return flashtile.flash_attn_func(q, k, v, causal=causal)
+            finally:
+                if saved is None:
+                    del os.environ[ENGINE_ENV]
+                else:
+                    os.environ[ENGINE_ENV] = saved
+
+        return on_triton
     if impl.startswith("sdpa_"):
         backend = {
             "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -104,6 +125,17 @@ def _time(fn, mode, q, k, v):
         out.backward(dout)
 
     return triton.testing.do_bench(step, warmup=5, rep=25, grad_to_none=[q, k, v], return_mode="median")
+
+
+def _engine_field(impl, q, k) -> dict:
+    """``{"path": "gluon" | "triton"}`` for flashtile's records: which engine the forward ran on."""
+    if impl == "flashtile":
+        from flashtile.kernels.engine import forward_engine
+
+        return {"path": forward_engine(q, k)}
+    if impl == "flashtile_triton":
+        return {"path": "triton"}
+    return {}
 
 
 def peak_extra_memory(impl, causal, batch, seqlen, nheads, headdim, dtype=torch.bfloat16) -> int:
@@ -170,7 +202,7 @@ def run_gpu_benchmark(
             records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
         tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode) / (ms * 1e-3) / 1e12
-        records.append(dict(rec, ms=ms, tflops=tflops))
+        records.append(dict(rec, ms=ms, tflops=tflops, **_engine_field(impl, q, k)))
         del q, k, v
         torch.cuda.empty_cache()
 
@@ -231,8 +263,11 @@ def plot(records, path) -> None:
             ax = axes[i][j]
             for impl in dict.fromkeys(r["impl"] for r in rows):
                 pts = sorted((r["seqlen_q"], r["tflops"]) for r in rows if (r["impl"], r["mode"], r["headdim"], r["causal"]) == (impl, mode, d, c))
+                paths = sorted({r["path"] for r in rows if r["impl"] == impl and r.get("path")})
+                label = f"{impl} ({'/'.join(paths)})" if paths else impl
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, lw=2.5 if impl == "flashtile" else 1.2)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                            lw=2.5 if impl == "flashtile" else 1.2)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{mode}, d={d}, {'causal' if c else 'non-causal'}", fontsize=9)
             ax.set_xlabel("sequence length")
@@ -275,9 +310,11 @@ def _cli():
     ap.add_argument("--headdims", type=int, nargs="+")
     ap.add_argument("--seqlens", type=int, nargs="+")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "bwd", "fwd_bwd"])
     args = ap.parse_args()
     run_gpu_benchmark(args.out, compare=[c for c in args.compare.split(",") if c], quick=args.quick,
-                      headdims=args.headdims, seqlens=args.seqlens, memory_seqlens=() if args.no_memory else MEMORY_SEQLENS)
+                      headdims=args.headdims, seqlens=args.seqlens, modes=tuple(args.modes),
+                      memory_seqlens=() if args.no_memory else MEMORY_SEQLENS)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.masking import band_mask, key_tiles
-from flashtile.kernels.runtime import cdiv, next_power_of_2
+from flashtile.kernels.runtime import cdiv, next_power_of_2, sm_count
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -49,22 +49,78 @@ ROWS_PER_CONSUMER = 64
 
 
 @gluon.jit
-def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty,
-              b, h, hk, q_row, k_row0, n_tiles, row_off, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Load the query tile, then K_j and V_j into ring slot ``j % NUM_STAGES`` once it is free."""
-    mbarrier.expect(q_ready, Q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(Q_desc, [b, q_row, h, 0], q_ready, q_smem)
-    for j in range(n_tiles):
-        slot = j % NUM_STAGES
-        # An mbarrier starts with its "previous" phase complete: the first lap's waits pass.
-        free_phase = ((j // NUM_STAGES) & 1) ^ 1
-        row = k_row0 + j * BLOCK_N
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), K_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(K_desc, [b, row, hk, 0], k_ready.index(slot), k_bufs.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), V_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(V_desc, [b, row, hk, 0], v_ready.index(slot), v_bufs.index(slot))
+def _tile(t, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+          VARLEN: gl.constexpr):
+    """Work item ``t`` -> (b, h, hk, m0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_tiles).
+
+    Without a causal-like mask every query tile costs the same and the tiles of one head are
+    adjacent (they share its K/V in L2).  With one, cost grows with the row, and items are
+    dealt heaviest first across all heads (longest-processing-time order), so that the
+    programs' round-robin shares come out even and the last wave is short.  Every partition
+    derives the same items from ``t``; an item past a packed sequence's end has
+    ``n_tiles = -1`` and is skipped by all of them.
+    """
+    num_m_tiles = gl.cdiv(max_seqlen_q, BLOCK_M)
+    if MASK_RIGHT:
+        heads = num_items // num_m_tiles
+        tile = num_m_tiles - 1 - t // heads
+        bh = t % heads
+    else:
+        tile = t % num_m_tiles
+        bh = t // num_m_tiles
+    b = bh // nheads
+    h = bh % nheads
+    m0 = tile * BLOCK_M
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = gl.load(CU_Q + b)
+        k_start = gl.load(CU_K + b)
+        seqlen_q = gl.load(CU_Q + b + 1) - q_start
+        seqlen_k = gl.load(CU_K + b + 1) - k_start
+    lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    if m0 >= seqlen_q:  # the grid covers the longest sequence of a packed batch
+        n_tiles = -1
+    return b, h, h // group, m0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_tiles
+
+
+@gluon.jit
+def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+    """Per work item: the query tile once its buffer is free, then K_j and V_j into ring slot
+    ``count % NUM_STAGES`` once both consumers have released it (``count`` runs across items)."""
+    count = 0
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for it in range(gl.cdiv(num_items - pid, nprog)):
+        b, h, hk, m0, q_start, k_start, _sq, _sk, lo, _fl, _fh, n_tiles = _tile(
+            pid + it * nprog, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left,
+            window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        # An mbarrier starts with its "previous" phase complete: the first waits pass.
+        mbarrier.wait(q_empty, (it & 1) ^ 1)
+        if n_tiles < 0:
+            mbarrier.arrive(q_ready, count=1)  # a skipped item still turns the query buffer's phase
+        else:
+            if VARLEN:
+                b = 0  # packed tensors are one batch entry of the descriptors
+            mbarrier.expect(q_ready, Q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0, h, 0], q_ready, q_smem)
+            for j in range(n_tiles):
+                slot = count % NUM_STAGES
+                free_phase = ((count // NUM_STAGES) & 1) ^ 1
+                row = k_start + lo + j * BLOCK_N
+                mbarrier.wait(k_empty.index(slot), free_phase)
+                mbarrier.expect(k_ready.index(slot), K_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(K_desc, [b, row, hk, 0], k_ready.index(slot), k_bufs.index(slot))
+                mbarrier.wait(v_empty.index(slot), free_phase)
+                mbarrier.expect(v_ready.index(slot), V_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(V_desc, [b, row, hk, 0], v_ready.index(slot), v_bufs.index(slot))
+                count += 1
 
 
 @gluon.jit
@@ -91,12 +147,26 @@ def _softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
-              O, LSE, o_base, lse_base, stride_om, m0, row_off, seqlen_q, seqlen_k, headdim, qk_scale,
-              window_left, window_right, lo, full_lo, full_hi, n_tiles,
+def _issue_turn(turn_bar, count, PINGPONG: gl.constexpr):
+    # Ping-pong: wait until the other consumer has issued its GEMMs of the same step.
+    if PINGPONG:
+        mbarrier.wait(turn_bar, count & 1)
+
+
+@gluon.jit
+def _hand_turn(turn_bar, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn_bar, count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
+              O, LSE, CU_Q, CU_K, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+              seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
+              num_items, row_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, PINGPONG: gl.constexpr):
-    """Rows ``[row_off, row_off + 64)`` of the query tile: the pipelined online-softmax loop."""
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
+    """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop."""
     ROWS: gl.constexpr = 64
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -105,140 +175,129 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empt
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    offs_m = m0 + row_off + gl.arange(0, ROWS, layout=row_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(row_off, ROWS, dim=0)
-    mbarrier.wait(q_ready, 0)
-
-    if n_tiles > 0:
-        # Tile 0: scores only; its P V joins the next step's GEMMs.
-        if PINGPONG:
-            mbarrier.wait(my_turn, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        qk = warpgroup_mma(q, k_t, s_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(their_turn, count=1)
-        qk = warpgroup_mma_wait(0, deps=[qk])
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, lo, offs_m, seqlen_q, seqlen_k, qk_scale,
-                                           window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
-                                           MASK_LEFT, MASK_RIGHT)
-        p_prev = gl.convert_layout(p.to(dtype), p_layout)
-
-        for j in range(1, n_tiles):
-            slot = j % NUM_STAGES
-            phase = (j // NUM_STAGES) & 1
-            prev = (j - 1) % NUM_STAGES
-            prev_phase = ((j - 1) // NUM_STAGES) & 1
-            if PINGPONG:
-                mbarrier.wait(my_turn, j & 1)
-            mbarrier.wait(k_ready.index(slot), phase)
-            k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            qk = warpgroup_mma(q, k_t, s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), prev_phase)
-            v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            acc = warpgroup_mma(p_prev, v, acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(their_turn, count=1)
-            # wgmma groups retire in order: S_j is ready while P_{j-1} V_{j-1} still runs.
-            qk, acc = warpgroup_mma_wait(1, deps=[qk, acc])
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, lo + j * BLOCK_N, offs_m, seqlen_q, seqlen_k,
-                                               qk_scale, window_left, window_right, full_lo, full_hi, s_layout,
-                                               BLOCK_N, MASK_LEFT, MASK_RIGHT)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_prev = gl.convert_layout(p.to(dtype), p_layout)
-
-        last = (n_tiles - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
-        v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
-        acc = warpgroup_mma(p_prev, v, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(last), count=1)
-
-    # Deferred normalisation: one reciprocal per row; an empty row (l = 0) is selected to
-    # 0, so no inf or NaN in V can reach it.
-    empty = l_i == 0.0
-    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < seqlen_q)
-
-    out = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
-    out = gl.where(gl.expand_dims(gl.convert_layout(empty, gl.SliceLayout(1, o_layout)), 1), 0.0, out)
     # 16-byte stores: each thread writes 8 consecutive columns of a row.
     VEC: gl.constexpr = 8
     TPC: gl.constexpr = HEAD_DIM // VEC if HEAD_DIM // VEC < 32 else 32
     store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPC, TPC], [4, 1], [1, 0])
-    out = gl.convert_layout(out.to(dtype), store_layout)
-    rows = m0 + row_off + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
-    ptrs = O + o_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, out, mask=gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < headdim, 0))
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(row_off, ROWS, dim=0)
+
+    # K/V tiles consumed, across work items: the ring's slot and phase, and the ping-pong
+    # phase (each tile's GEMMs are issued in one turn).
+    count = 0
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    for it in range(gl.cdiv(num_items - pid, nprog)):  # it: this program's item count, the query buffer's phase
+        b, h, _hk, m0, q_start, _ks, sq, sk, lo, full_lo, full_hi, n_tiles = _tile(
+            pid + it * nprog, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left,
+            window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        mbarrier.wait(q_ready, it & 1)
+        if n_tiles < 0:
+            mbarrier.arrive(q_empty, count=1)
+        else:
+            offs_m = m0 + row_off + gl.arange(0, ROWS, layout=row_layout)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            if n_tiles > 0:
+                # Tile 0: scores only; its P V joins the next step's GEMMs.
+                slot = count % NUM_STAGES
+                _issue_turn(my_turn, count, PINGPONG)
+                mbarrier.wait(k_ready.index(slot), (count // NUM_STAGES) & 1)
+                k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                qk = warpgroup_mma(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                                   is_async=True)
+                _hand_turn(their_turn, PINGPONG)
+                qk = warpgroup_mma_wait(0, deps=[qk])
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, lo, offs_m, sq, sk, qk_scale,
+                                                   window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
+                                                   MASK_LEFT, MASK_RIGHT)
+                p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                count += 1
+                # One induction variable, the ring count c: this item's tile c - first starts at
+                # key n_base + c * BLOCK_N.
+                first = count - 1
+                end = first + n_tiles
+                n_base = lo - first * BLOCK_N
+                for c in range(count, end):
+                    slot = c % NUM_STAGES
+                    prev = (c - 1) % NUM_STAGES
+                    _issue_turn(my_turn, c, PINGPONG)
+                    mbarrier.wait(k_ready.index(slot), (c // NUM_STAGES) & 1)
+                    k_t = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                    qk = warpgroup_mma(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                                   is_async=True)
+                    mbarrier.wait(v_ready.index(prev), ((c - 1) // NUM_STAGES) & 1)
+                    v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    acc = warpgroup_mma(p_prev, v, acc, is_async=True)
+                    _hand_turn(their_turn, PINGPONG)
+                    # wgmma groups retire in order: S_j is ready while P_{j-1} V_{j-1} still runs.
+                    qk, acc = warpgroup_mma_wait(1, deps=[qk, acc])
+                    mbarrier.arrive(k_empty.index(slot), count=1)
+                    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, qk_scale,
+                                                       window_left, window_right, full_lo, full_hi, s_layout,
+                                                       BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                    p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                count = end
+                # The query tile is no longer read: the producer may load the next one.
+                mbarrier.arrive(q_empty, count=1)
+                last = (count - 1) % NUM_STAGES
+                mbarrier.wait(v_ready.index(last), ((count - 1) // NUM_STAGES) & 1)
+                v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
+                acc = warpgroup_mma(p_prev, v, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(v_empty.index(last), count=1)
+            else:
+                mbarrier.arrive(q_empty, count=1)
+
+            # Deferred normalisation: one reciprocal per row; an empty row (l = 0) is selected
+            # to 0, so no inf or NaN in V can reach it.
+            empty = l_i == 0.0
+            inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            lse_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
+            gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < sq)
+            out = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
+            out = gl.where(gl.expand_dims(gl.convert_layout(empty, gl.SliceLayout(1, o_layout)), 1), 0.0, out)
+            out = gl.convert_layout(out.to(dtype), store_layout)
+            rows = m0 + row_off + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
+            o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_om
+            ptrs = O + o_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+            gl.store(ptrs, out, mask=gl.expand_dims(rows < sq, 1) & gl.expand_dims(cols < headdim, 0))
 
 
 @gluon.jit
 def _attn_fwd_hopper(
     Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right, num_items,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    # One flat grid dimension (grid y/z are capped at 65535); tiles of one head are adjacent
-    # so they share its K/V in L2, and with a causal mask the heavy tiles start first.
-    pid = gl.program_id(0)
-    num_m_tiles = gl.cdiv(max_seqlen_q, BLOCK_M)
-    tile = pid % num_m_tiles
-    if MASK_RIGHT:
-        tile = num_m_tiles - 1 - tile
-    bh = pid // num_m_tiles
-    b = bh // nheads
-    h = bh % nheads
-    hk = h // group
-    m0 = tile * BLOCK_M
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        q_start = gl.load(CU_Q + b)
-        k_start = gl.load(CU_K + b)
-        seqlen_q = gl.load(CU_Q + b + 1) - q_start
-        seqlen_k = gl.load(CU_K + b + 1) - k_start
-    if m0 >= seqlen_q:  # the grid covers the longest sequence of a packed batch
-        return
-    lse_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
-    o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_om
-    desc_b = b
-    if VARLEN:
-        desc_b = 0  # packed tensors are one batch entry of the descriptors
-
-    lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
-                                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-
+    # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
+    # program per SM the producer loads the next item while the consumers store this one.
     dtype: gl.constexpr = Q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, Q_desc.block_type.shape, Q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + K_desc.block_type.shape, K_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + V_desc.block_type.shape, V_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release the query tile
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
@@ -248,16 +307,18 @@ def _attn_fwd_hopper(
 
     ROWS: gl.constexpr = 64
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty, turns.index(0),
-                     turns.index(1), O, LSE, o_base, lse_base, stride_om, m0, 0, seqlen_q, seqlen_k, headdim,
-                     qk_scale, window_left, window_right, lo, full_lo, full_hi, n_tiles,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, PINGPONG)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty, turns.index(1),
-                     turns.index(0), O, LSE, o_base, lse_base, stride_om, m0, ROWS, seqlen_q, seqlen_k, headdim,
-                     qk_scale, window_left, window_right, lo, full_lo, full_hi, n_tiles,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, PINGPONG)),
-        (_producer, (Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, k_ready, k_empty, v_ready, v_empty,
-                     desc_b, h, hk, q_start + m0, k_start + lo, n_tiles, 0, BLOCK_N, NUM_STAGES)),
+        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(0),
+                     turns.index(1), O, LSE, CU_Q, CU_K, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
+                     num_items, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG)),
+        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
+                     turns.index(0), O, LSE, CU_Q, CU_K, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
+                     num_items, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN,
+                     PINGPONG)),
+        (_producer, (Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
+                     num_items, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -269,9 +330,10 @@ def _attn_fwd_hopper(
 class HopperConfig:
     """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
 
-    def __init__(self, block_n, num_stages, pingpong=True, consumer_regs=240, producer_regs=24):
+    def __init__(self, block_n, num_stages, pingpong=True, persistent=True, consumer_regs=240, producer_regs=24):
         self.block_m = 2 * ROWS_PER_CONSUMER
         self.block_n, self.num_stages, self.pingpong = block_n, num_stages, pingpong
+        self.persistent = persistent  # one program per SM looping over work items, else one per item
         self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
         # The kernel-wide register cap from which the partitions' budgets are carved: three
         # warpgroups (two consumers, the producer's padded to one) share 64K registers.
@@ -279,6 +341,7 @@ class HopperConfig:
 
     def __repr__(self):
         return (f"HopperConfig(BLOCK_N={self.block_n}, stages={self.num_stages}, pingpong={self.pingpong}, "
+                f"persistent={self.persistent}, "
                 f"regs={self.consumer_regs}/{self.producer_regs})")
 
 
@@ -321,15 +384,16 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     else:
         stride_ob, stride_om, stride_oh = out.stride(0), out.stride(1), out.stride(2)
     cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse)
-    grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
-    if grid[0] == 0:
+    num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
+    if num_items == 0:
         return out, lse
+    grid = (min(num_items, sm_count(q.device.index)) if cfg.persistent else num_items,)
     _attn_fwd_hopper[grid](
         layout.tiles(q, cfg.block_m, hd, _descriptor), layout.tiles(k, cfg.block_n, hd, _descriptor),
         layout.tiles(v, cfg.block_n, hd, _descriptor), out, lse, cu_q, cu_k,
         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
         layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
-        softmax_scale * LOG2E, window_left, window_right,
+        softmax_scale * LOG2E, window_left, window_right, num_items,
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,

@@ -65,6 +65,9 @@ CASES = [
     (1, 1000, 1000, 2, 2, 128, False, (64, 0)),  # sliding window
     (1, 700, 900, 2, 1, 96, False, (100, 37)),
     (1, 2048, 2048, 2, 2, 64, False, (-1, -1)),
+    # More work items than SMs: each persistent program runs several query tiles in turn.
+    (4, 2048, 2048, 8, 2, 64, True, (-1, -1)),
+    (2, 1500, 1500, 12, 12, 128, False, (-1, -1)),
 ]
 
 

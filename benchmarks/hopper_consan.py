@@ -1,0 +1,35 @@
+"""The Gluon forward under Gluon's concurrency sanitizer (run with TRITON_INSTRUMENTATION_MODE=consan).
+
+ConSan instruments every shared-memory access, mbarrier and async copy of the Gluon kernels
+and traps on a read of a buffer that an in-flight TMA or wgmma may still touch, or on a
+missing wait.  Small shapes, but more work items than programs, so the persistent loop's
+hand-over between items (query buffer, K/V ring across items, ping-pong phases) is covered::
+
+    TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py
+"""
+
+import os
+
+import torch
+import triton
+
+from flashtile.kernels import attention as ka
+from flashtile.kernels.hopper import attention_fwd as hopper
+
+assert os.environ.get("TRITON_INSTRUMENTATION_MODE") == "consan", "set TRITON_INSTRUMENTATION_MODE=consan"
+# ConSan keeps its shadow state in global scratch memory, which Triton takes from this allocator.
+triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+for d, n, heads, causal, varlen in [(64, 600, 32, False, False), (128, 700, 24, True, False),
+                                   (256, 300, 40, True, False), (128, 500, 24, False, True)]:
+    q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cfg = hopper.config_for(hopper.padded_headdim(d))
+    if varlen:
+        cu = torch.tensor([0, 1, n // 3, n], dtype=torch.int32, device="cuda")
+        layout = ka._Layout(q[0], k[0], cu, cu, n - n // 3, n - n // 3)
+        out, _ = hopper.forward(layout, q[0], k[0], v[0], d ** -0.5, -1, -1, config=cfg)
+    else:
+        out, _ = hopper.forward(ka._Layout(q, k), q, k, v, d ** -0.5, -1, 0 if causal else -1, config=cfg)
+    torch.cuda.synchronize()
+    print(f"consan d={d} n={n} heads={heads} causal={causal} varlen={varlen}: ok, finite={bool(out.isfinite().all())}",
+          flush=True)
