@@ -5,10 +5,13 @@ and traps on a read of a buffer that an in-flight TMA or wgmma may still touch, 
 missing wait.  Small shapes, but more work items than programs, so the persistent loop's
 hand-over between items (query buffer, K/V ring across items, ping-pong phases) is covered::
 
-    TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py
+    TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
+
+(CASE: indices into ``CASES``, default all; each instrumented compile takes tens of seconds.)
 """
 
 import os
+import sys
 
 import torch
 import triton
@@ -20,8 +23,10 @@ assert os.environ.get("TRITON_INSTRUMENTATION_MODE") == "consan", "set TRITON_IN
 # ConSan keeps its shadow state in global scratch memory, which Triton takes from this allocator.
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
-for d, n, heads, causal, varlen in [(64, 600, 32, False, False), (128, 700, 24, True, False),
-                                   (256, 300, 40, True, False), (128, 500, 24, False, True)]:
+CASES = [(64, 600, 32, False, False), (128, 700, 24, True, False), (256, 300, 40, True, False),
+         (128, 500, 24, False, True)]
+for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
+    d, n, heads, causal, varlen = CASES[case]
     q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cfg = hopper.config_for(hopper.padded_headdim(d))
     if varlen:

@@ -3,8 +3,10 @@
 Two engines compute the same attention on CUDA tensors:
 
 * ``gluon`` -- the Hopper kernels of ``flashtile/kernels/hopper/`` (warp-specialised,
-  asynchronous wgmma), for what they cover: an sm_90 GPU, Triton 3.6, float16 / bfloat16,
-  head dims 33-256, no dropout, softcap or ALiBi;
+  asynchronous wgmma), where they cover the call and are the faster engine: an sm_90 GPU,
+  Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout, softcap or ALiBi -- and
+  ``auto`` sends it head dims 65-256 only: at 64 and below the ``tl.*`` forward measured as
+  fast or faster on an H200 (``benchmarks/results/attention.jsonl``);
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention.py``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
@@ -25,6 +27,10 @@ from flashtile.kernels.runtime import INTERPRET
 
 ENGINE_ENV = "FLASHTILE_ENGINE"
 ENGINES = ("auto", "gluon", "triton")
+# The Gluon forward runs head dims 33-256 (forced with FLASHTILE_ENGINE=gluon); auto sends
+# it 65-256 only: at 64 and below the tl.* forward measured as fast or faster.
+GLUON_HEADDIMS = (33, 256)
+GLUON_AUTO_MIN_HEADDIM = 65
 
 
 def requested_engine() -> str:
@@ -56,8 +62,9 @@ def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: flo
         return reason
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (the Gluon forward takes float16 / bfloat16)"
-    if not 32 < q.shape[-1] <= 256:
-        return f"head dim {q.shape[-1]} (the Gluon forward takes 33-256)"
+    lo, hi = GLUON_HEADDIMS
+    if not lo <= q.shape[-1] <= hi:
+        return f"head dim {q.shape[-1]} (the Gluon forward takes {lo}-{hi})"
     if k.dim() == 4 and k.shape[1] == 0:
         return "no keys (a TMA descriptor needs a non-empty tensor)"
     if dropout is not None:
@@ -75,7 +82,7 @@ def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: floa
     if wanted == "triton":
         return "triton"
     reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes)
-    if reason is None:
+    if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_AUTO_MIN_HEADDIM):
         return "gluon"
     if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon forward cannot run this call: {reason}")

@@ -32,6 +32,8 @@ sequence's: key tiles there are always masked, query rows there are computed but
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -349,6 +351,7 @@ def padded_headdim(d: int) -> int:
     return max(16, next_power_of_2(d))
 
 
+@functools.lru_cache(maxsize=None)
 def config_for(head_dim_pad: int) -> HopperConfig:
     """The tile configuration per padded head dim (shared memory: Q + stages * (K + V))."""
     if head_dim_pad <= 128:
@@ -356,15 +359,16 @@ def config_for(head_dim_pad: int) -> HopperConfig:
     return HopperConfig(block_n=64, num_stages=2)
 
 
-def _nvmma_layout(block_shape, torch_dtype):
+@functools.lru_cache(maxsize=None)
+def _nvmma_layout(rows: int, hd: int, torch_dtype: torch.dtype):
+    # Cached: building the layout costs microseconds per descriptor, per call.
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[torch_dtype]
-    return gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, hd], gl_dtype)
 
 
 def _descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
     # The shape keeps the true head dim: columns past it read as zeros.
-    block = [1, rows, 1, hd]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _nvmma_layout(block, t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, hd], _nvmma_layout(rows, hd, t.dtype))
 
 
 def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None):

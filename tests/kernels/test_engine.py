@@ -1,0 +1,44 @@
+"""The one dispatch rule between the Gluon (Hopper) and tl.* attention forwards."""
+
+import pytest
+import torch
+
+from flashtile.kernels import engine
+
+
+def test_auto_and_triton_take_the_tl_kernels_off_hopper(monkeypatch):
+    q = torch.zeros(1, 4, 2, 128)
+    for value in ("auto", "triton", "", " Triton "):
+        monkeypatch.setenv(engine.ENGINE_ENV, value)
+        assert engine.forward_engine(q, q) == "triton"
+
+
+def test_forcing_gluon_where_it_cannot_run_names_the_reason(monkeypatch):
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    q = torch.zeros(1, 4, 2, 128)
+    with pytest.raises(NotImplementedError, match="FLASHTILE_ENGINE=gluon.*CUDA"):
+        engine.forward_engine(q, q)
+
+
+def test_unknown_engine_is_a_value_error(monkeypatch):
+    monkeypatch.setenv(engine.ENGINE_ENV, "cutlass")
+    with pytest.raises(ValueError, match="FLASHTILE_ENGINE must be one of"):
+        engine.forward_engine(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64))
+
+
+def test_reasons_cover_what_the_gluon_forward_lacks():
+    q = torch.zeros(1, 4, 2, 128)
+    assert "CUDA" in engine.gluon_forward_reason(q, q, None, 0.0, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon engine needs an sm_90 GPU")
+def test_auto_rule_on_hopper(monkeypatch):
+    monkeypatch.delenv(engine.ENGINE_ENV, raising=False)
+    make = lambda d, dtype=torch.bfloat16: torch.zeros(1, 4, 2, d, device="cuda", dtype=dtype)  # noqa: E731
+    assert engine.forward_engine(make(128), make(128)) == "gluon"
+    assert engine.forward_engine(make(256), make(256)) == "gluon"
+    assert engine.forward_engine(make(64), make(64)) == "triton"
+    assert engine.forward_engine(make(128, torch.float32), make(128, torch.float32)) == "triton"
+    assert engine.forward_engine(make(128), make(128), softcap=5.0) == "triton"
