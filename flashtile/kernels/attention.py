@@ -67,12 +67,26 @@ def _tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
 
 
 @triton.jit
+def _clamped_span(CU, b, rows):
+    # Sequence b's rows [start, end) clamped into the packed tensor's [0, rows): the host
+    # checks cu_seqlens, but not under CUDA-graph capture or torch.compile tracing, and a
+    # bad value must never turn into an out-of-bounds read or write.
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), rows)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), rows)
+    return start, end - start
+
+
+@triton.jit
 def _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """(q_start, seqlen_q, k_start, seqlen_k) of batch entry ``b``; packed batches read cu_seqlens."""
+    """(q_start, seqlen_q, k_start, seqlen_k) of batch entry ``b``.
+
+    Dense: ``seqlen_q``/``seqlen_k`` are the lengths.  Packed: they are the packed tensors'
+    row counts, and sequence ``b`` is read from cu_seqlens, clamped into them.
+    """
     if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        k_start = tl.load(CU_K + b)
-        return q_start, tl.load(CU_Q + b + 1) - q_start, k_start, tl.load(CU_K + b + 1) - k_start
+        q_start, seqlen_q = _clamped_span(CU_Q, b, seqlen_q)
+        k_start, seqlen_k = _clamped_span(CU_K, b, seqlen_k)
+        return q_start, seqlen_q, k_start, seqlen_k
     return 0, seqlen_q, 0, seqlen_k
 
 
@@ -637,6 +651,9 @@ class _Layout:
         if self.varlen:
             self.batch = cu_seqlens_q.numel() - 1
             self.seqlen_q, self.seqlen_k = max_seqlen_q, max_seqlen_k  # grid extent; kernels read the rest
+            # What the kernels' seqlen arguments carry for a packed batch: the row counts that
+            # bound every cu_seqlens value (see _sequence_bounds).
+            self.rows_q, self.rows_k = q.shape[0], k.shape[0]
             # The kernels read cu_seqlens[b] at offset b: a strided view is copied first.
             self.cu_q, self.cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
             self.lse_shape = (self.nheads, q.shape[0])
@@ -645,6 +662,7 @@ class _Layout:
         else:
             self.batch, self.seqlen_q = q.shape[0], q.shape[1]
             self.seqlen_k = k.shape[1]
+            self.rows_q, self.rows_k = self.seqlen_q, self.seqlen_k
             self.cu_q = self.cu_k = None
             self.lse_shape = (self.batch, self.nheads, self.seqlen_q)
             self.lse_strides = (self.nheads * self.seqlen_q, self.seqlen_q)
@@ -692,7 +710,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
     _attn_fwd[grid](
         layout.tiles(q_, cfg.block_m, hd), layout.tiles(k_, cfg.block_n, hd), layout.tiles(v_, cfg.block_n, hd),
         layout.tiles(out_, cfg.block_m, hd), out_, lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
-        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
+        layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
         softmax_scale * LOG2E, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], drop["dropout_p"], drop["seed"], drop["rng_offset"],
         layout.rng_cols,
@@ -727,7 +745,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     do_strides = (0, dout.stride(0), dout.stride(1)) if layout.varlen else (dout.stride(0), dout.stride(1), dout.stride(2))
     _bwd_preprocess[(cdiv(layout.seqlen_q, pre_m) * batch * nheads,)](
         out, dout, dlse if dlse is not None else lse, lse, delta, lse2, seq[0], seq[2], seq[3],
-        *o_strides, *do_strides, layout.seqlen_q, layout.seqlen_q, nheads, d,
+        *o_strides, *do_strides, layout.rows_q, layout.seqlen_q, nheads, d,
         HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd,
     )
 
@@ -746,7 +764,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         tiles(q_, cfg_kv.block_m, hd), tiles(k_, cfg_kv.block_n, hd), tiles(v_, cfg_kv.block_n, hd),
         tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd), dk_, dv_,
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
-        layout.seqlen_q, layout.seqlen_k, layout.seqlen_k, nheads_k, group,
+        layout.rows_q, layout.rows_k, layout.seqlen_k, nheads_k, group,
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], *rng,
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
@@ -756,7 +774,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         tiles(q_, cfg_q.block_m, hd), tiles(k_, cfg_q.block_n, hd), tiles(v_, cfg_q.block_n, hd),
         tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd), dq_,
         lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
-        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, nheads, group,
+        layout.rows_q, layout.rows_k, layout.seqlen_q, nheads, group,
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], *rng,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,

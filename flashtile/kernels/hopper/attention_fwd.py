@@ -77,10 +77,14 @@ def _tile(t, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, gr
     q_start = 0
     k_start = 0
     if VARLEN:
-        q_start = gl.load(CU_Q + b)
-        k_start = gl.load(CU_K + b)
-        seqlen_q = gl.load(CU_Q + b + 1) - q_start
-        seqlen_k = gl.load(CU_K + b + 1) - k_start
+        # seqlen_q / seqlen_k carry the packed row counts: cu_seqlens are clamped into them
+        # (unchecked on the host under graph capture), so no value reads or writes outside.
+        q_start = gl.minimum(gl.maximum(gl.load(CU_Q + b), 0), seqlen_q)
+        q_end = gl.minimum(gl.maximum(gl.load(CU_Q + b + 1), q_start), seqlen_q)
+        k_start = gl.minimum(gl.maximum(gl.load(CU_K + b), 0), seqlen_k)
+        k_end = gl.minimum(gl.maximum(gl.load(CU_K + b + 1), k_start), seqlen_k)
+        seqlen_q = q_end - q_start
+        seqlen_k = k_end - k_start
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
@@ -396,7 +400,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         layout.tiles(q, cfg.block_m, hd, _descriptor), layout.tiles(k, cfg.block_n, hd, _descriptor),
         layout.tiles(v, cfg.block_n, hd, _descriptor), out, lse, cu_q, cu_k,
         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-        layout.seqlen_q, layout.seqlen_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
+        layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
         softmax_scale * LOG2E, window_left, window_right, num_items,
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
