@@ -41,7 +41,8 @@ def requested_engine() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_reason(device_index: int) -> str | None:
+def gluon_device_reason(device_index: int) -> str | None:
+    """Why CUDA device ``device_index`` cannot run the Gluon kernels, or None when it can."""
     if INTERPRET:
         return "Triton's interpreter runs no Gluon kernels"
     from flashtile.kernels.hopper import gluon_available
@@ -57,7 +58,7 @@ def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: flo
     """Why the Gluon forward cannot take this call, or None when it can."""
     if not q.is_cuda:
         return "the tensors are not on a CUDA device"
-    reason = _device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    reason = gluon_device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if reason:
         return reason
     if q.dtype not in (torch.float16, torch.bfloat16):
