@@ -474,7 +474,7 @@ def test_backward_is_deterministic():
 
 
 # ---------------------------------------------------------------------------------------
-# Softcap and ALiBi (SEMANTICS order: scale, softcap, ALiBi, masks)
+# Softcap and ALiBi (docs/semantics.md order: scale, softcap, ALiBi, masks)
 # ---------------------------------------------------------------------------------------
 
 
