@@ -1,6 +1,6 @@
 """``flash_attn_with_kvcache``: decoding against a contiguous or paged KV cache (inference only).
 
-Semantics follow flash-attn (SEMANTICS.md, "KV cache"): ``cache_seqlens[b]`` keys of
+Semantics follow flash-attn (docs/semantics.md, "KV cache"): ``cache_seqlens[b]`` keys of
 sequence ``b`` are valid; new ``k``, ``v`` (if given) are written in place at positions
 ``cache_seqlens[b] ...``; then the ``seqlen_q`` query rows -- the *last* positions of the
 sequence -- attend to the first ``cache_seqlens[b] + seqlen_new`` keys, so ``causal`` and

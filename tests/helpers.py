@@ -40,7 +40,7 @@ def reference_attention(
 ):
     """Naive materialising attention in plain PyTorch, differentiable by torch autograd.
 
-    Scores follow SEMANTICS.md's order: scale, then ``softcap * tanh(s / softcap)`` when
+    Scores follow docs/semantics.md's order: scale, then ``softcap * tanh(s / softcap)`` when
     ``softcap > 0``, then minus ``slope[b, h] * |i + seqlen_k - seqlen_q - j|`` for ALiBi
     slopes ``(nheads,)`` or ``(batch, nheads)``, then the masks.
 

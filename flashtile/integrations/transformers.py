@@ -334,7 +334,7 @@ def _group_heads(x: torch.Tensor, heads_kv: int, group: int) -> torch.Tensor:
 
 
 def _math_attention(query, key, value, keep, bias, scale, dropout, softcap):
-    """The exact slow path: scores materialised in float32, in the order SEMANTICS.md gives
+    """The exact slow path: scores materialised in float32, in the order docs/semantics.md gives
     (scale, softcap, bias, mask, softmax, dropout).  GQA by broadcasting, not copying.
     A query with no visible key gives zeros.  Returns ``(batch, seq_q, heads, dim)``."""
     batch, heads, seqlen_q, dim = query.shape

@@ -131,7 +131,7 @@ def _fp8_fwd_tiles(
         # A fresh accumulator per tile, added in fp32: Hopper's FP8 wgmma accumulates at
         # reduced precision, so chaining every tile's P V into one wgmma accumulator drops
         # the small terms of a long row (H200, peaked scores with V = N(1, 1): mean error
-        # -4.0e-2 either way, the max offset's gain lost; h200_session6/fp8_accuracy_*.log).
+        # -4.0e-2 either way, the max offset's gain lost, against -2.1e-3 this way; docs/fp8.md).
         acc = acc * alpha[:, None] + tl.dot(_to_e4m3(p, EXACT_ROUNDING), v)
         m_i = m_ij
     return acc, l_i, m_i
@@ -193,13 +193,13 @@ def padded_headdim(d: int) -> int:
 
 
 def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, interpret: bool = INTERPRET) -> _Config:
-    """Default tiles, measured on an H200 (benchmarks/results/h200_session6/fp8_*.log).
+    """Default tiles, measured on an H200 (the alternatives: docs/tuning.md, "FP8 forward").
 
     V pre-transposed, d <= 128: one warpgroup per program (64 query rows, 4 warps, 128-key
     tiles) at <= 236 registers and <= 104 KB of shared memory, so two programs share an SM
     and one's exp2s run while the other's wgmmas do -- the overlap that one 8-warp program
     of 128 rows, whose two warpgroups move in step, does not get (d = 128, N = 16k, one run
-    before the accumulation fix below: 864 TFLOP/s against 606 for (128, 128, 8, 3)).  At
+    with chained P V accumulation: 864 TFLOP/s against 606 for (128, 128, 8, 3)).  At
     d = 256 the per-tile P V accumulator (see ``_fp8_fwd_tiles``) and the output
     accumulator are 128 registers each at 4 warps, which spills; 8 warps over 64 rows
     measured best (474 TFLOP/s at N = 16k; 347 for the spilling (64, 64, 4, 3)).
@@ -235,7 +235,7 @@ def _transpose_v_kernel(V, VT, seqlen_k, nheads_k, headdim, s_vb, s_vn, s_vh, s_
 def transpose_v_into(v: torch.Tensor, out: torch.Tensor) -> None:
     """``out[b, h, d, n] = v[b, n, h, d]`` for one-byte ``v`` (any strides) and ``out`` with
     unit key stride: the kernel behind ``flashtile.fp8.transpose_v`` on the GPU (a torch
-    permute-copy of fp8 ran at ~0.37 TB/s; docs/fp8.md)."""
+    permute-copy of fp8 runs at ~0.37 TB/s; docs/fp8.md)."""
     batch, seqlen_k, nheads_k, headdim = v.shape
     if out.stride(-1) != 1:
         raise ValueError(f"out must have unit stride along the keys, got strides {tuple(out.stride())}")

@@ -40,13 +40,13 @@ from flashtile.kernels.attention import (
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.runtime import INTERPRET, cdiv, has_programmatic_launch, next_power_of_2, parse_tuning, sm_count
 
-# --- Launch knobs (H200 measurements: benchmarks/results/h200_session4/ and h200_session5/) --
+# --- Launch knobs (H200, CUDA graph; every measured alternative: docs/tuning.md) ----------
 # Key tiles: 128 for a contiguous cache (batch 1, 32k: 3.0 TB/s against 2.9 with 64), but 64
 # when 128-key tiles would leave the split count capped by MIN_TILES_PER_SPLIT at under half
 # of what fills the GPU (NARROW_SHORT_CACHES; batch 1, 8k: 1.39 TB/s against 1.17).  A paged
 # cache computes an address per key row and takes 64, or 128 when there are fewer than
 # PAGED_WIDE_BELOW_SPLITS splits (batch 8, 8k, 16-token pages: 3.2 TB/s against 2.9; batch 1,
-# 32k: 2.5 against 2.1); head dims above 128 take 32.  (CUDA graph, session 5's tune_decode.jsonl.)
+# 32k: 2.5 against 2.1); head dims above 128 take 32.
 BLOCK_N = 128
 NARROW_SHORT_CACHES = 1
 BLOCK_N_PAGED = 64

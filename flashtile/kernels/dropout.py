@@ -24,8 +24,10 @@ def dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: tl
     accumulator layout on sm_90: there a thread holds the column pairs 2q, 2q + 1 (+8, +16,
     +24) of each 32-key block, so key 32 * blk + 8 * j + 2 * q + b takes half b of word j of
     call (row, 4 * blk + q).  Built that way the tile needs no register shuffle and no trip
-    through shared memory to meet P (with consecutive keys per call it needed both, and
-    the dropout overhead was about the cost of the attention itself).
+    through shared memory to meet P.  Consecutive keys per call would need both: +1176
+    instructions per forward program over no dropout (d = 128, sm_90 SASS) against +800
+    this way, and forward + backward +93 % / +118 % (non-causal / causal, N = 4k) against
+    +89 % / +99 % (docs/tuning.md, "Dropout").
     """
     if HAS_DROPOUT:
         tl.static_assert(BLOCK_K % 32 == 0, "dropout needs key tiles of a multiple of 32")

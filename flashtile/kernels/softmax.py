@@ -126,14 +126,14 @@ MAX_SPLITS = 256
 # elements, 0 = 32 KB of input (16k bf16 / 8k fp32 elements: 32 words per thread at 8
 # warps, bf16 / fp16 held as pairs in int32 words); backward chunks COOP_BWD_BLOCK elements
 # (y and dy both held: 8192 measured above 4096 for bf16 64k, 0.86 of the copy rate against
-# 0.81, and equal elsewhere, h200_session6/tune_softmax_3.log).  0 turns a path off.
-# Measured on an H200 before the forward held its input packed (M x N = 2^28, fraction of
-# the copy rate, benchmarks/results/h200_session4/tune_softmax_1.log): the backward gains
-# (bf16 64k / 256k / 1M: 0.78 / 0.69 / 0.49 against the fused path's 0.74 / 0.56 / 0.55;
-# fp32 0.87 / 0.78 / 0.65 against 0.67 / 0.60 / 0.59), the forward then lost (bf16 0.67 /
-# 0.64 / 0.48 against 0.76 / 0.63 / 0.60) at 63-106 registers, 2-4 programs per SM: a
-# chunk's wait for its row's slowest chunk is hidden only by the other rows' chunks that
-# are resident, so the bytes held per SM are what counts.
+# 0.81, and equal elsewhere).  0 turns a path off.
+# Why the backward goes cooperative up to 256k (H200, M x N = 2^28, fraction of the copy
+# rate): bf16 64k / 256k / 1M 0.78 / 0.69 / 0.49 against the fused path's 0.74 / 0.56 /
+# 0.55; fp32 0.87 / 0.78 / 0.65 against 0.67 / 0.60 / 0.59.  The forward needs its input
+# held packed (COOP_PACK) to gain: holding fp32 values (63-106 registers, 2-4 programs per
+# SM) it measured bf16 0.67 / 0.64 / 0.48 against 0.76 / 0.63 / 0.60, because a chunk's
+# wait for its row's slowest chunk is hidden only by the other rows' resident chunks, so
+# the bytes held per SM are what counts.  All alternatives: docs/tuning.md, "Row softmax".
 COOPERATIVE_MAX = 4194304
 COOP_BWD_MAX = 262144
 # The forward takes the cooperative path only for rows of at least this many bytes: below,
@@ -843,8 +843,8 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
     ``n_cols * elem_bytes``), which sets how many rows the fused path keeps in flight;
     ``backward`` picks the backward's chunk size on the cooperative path; ``masked`` (the
     forward has a mask) keeps the forward off the cooperative path by default: its masked
-    variants spill 0.3-1.6 KB a thread at the 64-register cap (offline ptxas) and were not
-    measured there.
+    variants spill 0.3-1.6 KB a thread at the 64-register cap (offline ptxas), so their
+    speed there is not established (docs/tuning.md).
     ``strategy``, ``block`` (sub-tile elements; cooperative: chunk elements), ``unroll``
     (sub-tiles per iteration), ``splits`` (chunks per row, split path) and ``programs``
     (persistent grid, fused and cooperative paths; still capped by occupancy at launch)
@@ -889,7 +889,7 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
         # 8k+ rows: 32 values per thread (16k: 16 warps; 32k: 32 warps, which does not spill).
         # The backward of 16k rows takes 32 warps (16 values of y and of dy per thread):
         # bf16 0.96 of the copy rate against 0.76 with 16 (fp32 1.03 either way; H200,
-        # h200_session4/tune_softmax_2.jsonl).
+        # docs/tuning.md).
         num_warps = 4 if block_n <= 4096 else min(32, block_n // (512 if backward and block_n >= 16384 else 1024))
         if block_n >= 8192 and k["register_warps"]:
             num_warps = k["register_warps"]

@@ -18,8 +18,8 @@ q, k and v must all have the same rank.  Inputs (NumPy arrays, nested lists, CPU
 without grad) are converted to float64; every result is float64.  ``lse`` is the natural
 log of each query's softmax denominator, ``logsumexp_j(s_ij)`` over visible keys.
 
-Semantics (see ``SEMANTICS.md``)
---------------------------------
+Semantics (see ``docs/semantics.md``)
+-------------------------------------
 * ``s = (q . k) * softmax_scale``; default ``softmax_scale = headdim ** -0.5``.
 * GQA/MQA: ``nheads % nheads_k == 0`` and query head h reads kv head
   ``h // (nheads // nheads_k)``.

@@ -1,5 +1,5 @@
 """Argument checking of ``flashtile.flash_attn_func``: every wrong input raises the exception
-type SEMANTICS.md prescribes, with a message naming the argument, before any kernel runs.
+type docs/semantics.md prescribes, with a message naming the argument, before any kernel runs.
 
 Wrong type -> TypeError; wrong value, shape, dtype, device or layout -> ValueError; a supported
 combination not implemented yet -> NotImplementedError.

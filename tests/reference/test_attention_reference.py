@@ -1,7 +1,7 @@
 """The NumPy attention references against an independent float64 PyTorch implementation
 (forward values and autograd gradients), plus the seed's worked 1-D example.
 
-The PyTorch oracle below spells the mask rule of SEMANTICS.md out by hand instead of
+The PyTorch oracle below spells the mask rule of docs/semantics.md out by hand instead of
 calling ``flashtile.masking``, so a wrong band in the shared helper would show up here.
 """
 

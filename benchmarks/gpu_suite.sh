@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call that installs flashtile, runs the GPU tests and the benchmarks, and packs
-# everything under $OUT into ONE archive (the device tool drops files past a small count).
-#   bash benchmarks/gpu_session.sh [part ...]     parts: tests all_tests attention softmax softmax_tests tune_softmax
+# One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
+# and packs everything under $OUT into one archive, results.tgz (one file to copy back).
+#   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests attention softmax softmax_tests tune_softmax
 #                                                 features decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
@@ -42,7 +42,7 @@ for part in $parts; do
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
                  run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \
                    --caches 8192 32768 --impls flashtile flashtile_paged16 flashtile_paged256 sdpa_flash sdpa_cudnn ;;
-    decode_iam) for pdl in 1 0; do  # the sweep that hit "illegal memory access" (sessions 4, 5), launches blocking
+    decode_iam) for pdl in 1 0; do  # the whole decode sweep, launches blocking, PDL on and off: a memory-error check
                   run decode_iam_pdl$pdl 100 env CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/tune_decode.py --batches 1 8 32 \
                     --caches 1024 8192 32768 --paged 0 16 --block-n 0 --warps 4 --stages 3 --extra pdl=$pdl; done ;;
     tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --paged 0 16 --warps 4 \
