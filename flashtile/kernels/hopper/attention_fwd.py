@@ -44,10 +44,9 @@ from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, next_power_of_2, sm_count
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-# Rows per consumer warpgroup: the M of one wgmma.
-ROWS_PER_CONSUMER = 64
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+# Query rows per consumer warpgroup: the M of one wgmma; a query tile is two consumers' rows.
+CONSUMER_ROWS: gl.constexpr = gl.constexpr(64)
 
 
 @gluon.jit
@@ -173,7 +172,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
     """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop."""
-    ROWS: gl.constexpr = 64
+    ROWS: gl.constexpr = CONSUMER_ROWS
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -263,7 +262,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
             # to 0, so no inf or NaN in V can reach it.
             empty = l_i == 0.0
             inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
             lse_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
             gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < sq)
             out = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
@@ -311,7 +310,7 @@ def _attn_fwd_hopper(
     # consumer 0 hands over.
     mbarrier.arrive(turns.index(0), count=1)
 
-    ROWS: gl.constexpr = 64
+    ROWS: gl.constexpr = CONSUMER_ROWS
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(0),
                      turns.index(1), O, LSE, CU_Q, CU_K, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
@@ -337,7 +336,7 @@ class HopperConfig:
     """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
 
     def __init__(self, block_n, num_stages, pingpong=True, persistent=True, consumer_regs=240, producer_regs=24):
-        self.block_m = 2 * ROWS_PER_CONSUMER
+        self.block_m = 2 * CONSUMER_ROWS.value
         self.block_n, self.num_stages, self.pingpong = block_n, num_stages, pingpong
         self.persistent = persistent  # one program per SM looping over work items, else one per item
         self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
