@@ -15,7 +15,7 @@ Backward, by recomputation from the LSE:
      P = exp2(Q K^T * scale*log2e - LSE*log2e); dV += P^T dO, dK += dS^T Q.
   3. ``_bwd_dq``: one program per (query tile, batch * head) loops over key tiles:
      dQ += dS K.  No atomics anywhere, so the backward is bitwise deterministic.  (Folding
-     dQ into step 2 with atomics measured 25-45 % slower on an H200: benchmarks/NOTES.md.)
+     dQ into step 2 with atomics measured 25-45 % slower on an H200: docs/tuning.md.)
 
 Tensors keep flash-attn's layout ``(batch, seqlen, nheads, headdim)`` and any strides with
 a unit last stride: a 4-D tensor descriptor, built once on the host, addresses tile
@@ -116,7 +116,7 @@ def _store_tile(desc, ptr, b, row, h, tile, row_end, VARLEN: tl.constexpr):
 @triton.jit
 def _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Scores in log2 units after SEMANTICS steps 1-3 (scale, softcap, ALiBi), and tanh.
+    """Scores in log2 units after the score order of docs/semantics.md (scale, softcap, ALiBi), and tanh.
 
     ``q_idx``/``k_idx`` broadcast to ``qk``'s shape (either orientation).  The softcap's
     ``tanh`` is returned for the backward, whose dS picks up ``1 - tanh^2``.
@@ -572,7 +572,8 @@ class _Config:
 
 
 def _fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> _Config:
-    """Tiles measured best on an H200 (bf16, N = 16k; benchmarks/tune_attention.py).
+    """Tiles measured best on an H200 (bf16, N = 16k; benchmarks/tune_attention.py; the
+    alternatives in docs/tuning.md).
 
     Warp specialisation (``tl.range(..., warp_specialize=True)``) measured no faster than
     plain software pipelining for this kernel on sm_90 with Triton 3.6, and with 4 warps it
@@ -586,7 +587,7 @@ def _fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> _Config:
 
 
 def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_Config, _Config]:
-    """(dK/dV config, dQ config), measured on an H200 (bf16, N = 16k).
+    """(dK/dV config, dQ config), measured on an H200 (bf16, N = 16k; alternatives in docs/tuning.md).
 
     Avoid dK/dV tiles with BLOCK_M == HEAD_DIM and BLOCK_N = 128: Triton 3.6 miscompiled
     the non-causal kernel on sm_90 (dK, dV off by ~80 % relative, measured for (64, 128) at

@@ -5,8 +5,9 @@ Two engines compute the same attention on CUDA tensors:
 * ``gluon`` -- the Hopper kernels of ``flashtile/kernels/hopper/`` (warp-specialised,
   asynchronous wgmma), where they cover the call and are the faster engine: an sm_90 GPU,
   Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout, softcap or ALiBi -- and
-  ``auto`` sends it head dims 65-256 only: at 64 and below the ``tl.*`` forward measured as
-  fast or faster on an H200 (``benchmarks/results/attention.jsonl``);
+  ``auto`` sends it head dims 65-256 only: at 64 and below the two engines measured within
+  run-to-run noise of each other on an H200, the ``tl.*`` one ahead at N = 1k (Gluon 364 /
+  446 / 462 against ``tl.*`` 394 / 415 / 414 TFLOP/s at N = 1k / 4k / 16k; docs/tuning.md);
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention.py``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
@@ -28,7 +29,7 @@ from flashtile.kernels.runtime import INTERPRET
 ENGINE_ENV = "FLASHTILE_ENGINE"
 ENGINES = ("auto", "gluon", "triton")
 # The Gluon forward runs head dims 33-256 (forced with FLASHTILE_ENGINE=gluon); auto sends
-# it 65-256 only: at 64 and below the tl.* forward measured as fast or faster.
+# it 65-256 only: at 64 and below neither engine is ahead beyond noise (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
 GLUON_AUTO_MIN_HEADDIM = 65
 

@@ -356,7 +356,8 @@ def padded_headdim(d: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def config_for(head_dim_pad: int) -> HopperConfig:
-    """The tile configuration per padded head dim (shared memory: Q + stages * (K + V))."""
+    """The tile configuration per padded head dim (shared memory: Q + stages * (K + V));
+    the measured alternatives (BLOCK_N, ping-pong, persistent grid) are in docs/tuning.md."""
     if head_dim_pad <= 128:
         return HopperConfig(block_n=128, num_stages=2)
     return HopperConfig(block_n=64, num_stages=2)

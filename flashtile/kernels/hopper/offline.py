@@ -29,7 +29,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 HEAD_DIMS = (64, 128, 256)
 # ptxas keeps a few scalars of the persistent work-item loop in local memory in three dense
 # variants (d = 128 causal, d = 256 full and windowed: 4-24 bytes of stores); anything
-# beyond this budget is a register-pressure regression and fails the check.
+# beyond this budget is a register-pressure regression and fails the check (docs/tuning.md).
 SPILL_STORE_BUDGET = 32
 
 
