@@ -44,7 +44,7 @@ def _sdpa(backend, causal):
 
 def _gluon(cfg, causal):
     def run(q, k, v):
-        layout = ka._Layout(q, k)
+        layout = ka.Layout(q, k)
         return hopper.forward(layout, q, k, v, q.shape[-1] ** -0.5, -1, 0 if causal else -1, config=cfg)[0]
 
     return run

@@ -18,6 +18,7 @@ import triton
 
 from flashtile.kernels import attention as ka
 from flashtile.kernels.hopper import attention_fwd as hopper
+from flashtile.kernels.tma import padded_headdim
 
 assert os.environ.get("TRITON_INSTRUMENTATION_MODE") == "consan", "set TRITON_INSTRUMENTATION_MODE=consan"
 # ConSan keeps its shadow state in global scratch memory, which Triton takes from this allocator.
@@ -28,13 +29,13 @@ CASES = [(64, 600, 32, False, False), (128, 700, 24, True, False), (256, 300, 40
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     d, n, heads, causal, varlen = CASES[case]
     q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    cfg = hopper.config_for(hopper.padded_headdim(d))
+    cfg = hopper.config_for(padded_headdim(d))
     if varlen:
         cu = torch.tensor([0, 1, n // 3, n], dtype=torch.int32, device="cuda")
-        layout = ka._Layout(q[0], k[0], cu, cu, n - n // 3, n - n // 3)
+        layout = ka.Layout(q[0], k[0], cu, cu, n - n // 3, n - n // 3)
         out, _ = hopper.forward(layout, q[0], k[0], v[0], d ** -0.5, -1, -1, config=cfg)
     else:
-        out, _ = hopper.forward(ka._Layout(q, k), q, k, v, d ** -0.5, -1, 0 if causal else -1, config=cfg)
+        out, _ = hopper.forward(ka.Layout(q, k), q, k, v, d ** -0.5, -1, 0 if causal else -1, config=cfg)
     torch.cuda.synchronize()
     print(f"consan d={d} n={n} heads={heads} causal={causal} varlen={varlen}: ok, finite={bool(out.isfinite().all())}",
           flush=True)

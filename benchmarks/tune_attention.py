@@ -16,6 +16,8 @@ import triton
 from flashtile import cpu
 from flashtile.bench.gpu import attention_flops
 from flashtile.kernels import attention as ka
+from flashtile.kernels.runtime import TileConfig
+from flashtile.kernels.tma import padded_headdim
 
 
 def flops(b, h, n, d, causal, mode):
@@ -26,7 +28,7 @@ def _bwd_candidates(hd, kv_tiles=None):
     """(dK/dV config, dQ config) pairs: vary one kernel at a time around a base."""
     if kv_tiles:
         dq_base = (64, 64, 4, 3) if hd <= 128 else (128, 64, 8, 2)
-        return [(ka._Config(*t), ka._Config(*dq_base)) for t in kv_tiles]
+        return [(TileConfig(*t), TileConfig(*dq_base)) for t in kv_tiles]
     kv = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 2)]
     dq = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 32, 4, 3)]
     if hd >= 256:
@@ -34,7 +36,7 @@ def _bwd_candidates(hd, kv_tiles=None):
         dq = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2)]
     base_kv, base_q = kv[0], dq[0]
     pairs = [(c, base_q) for c in kv] + [(base_kv, c) for c in dq[1:]]
-    return [(ka._Config(*a), ka._Config(*b)) for a, b in pairs]
+    return [(TileConfig(*a), TileConfig(*b)) for a, b in pairs]
 
 
 def main():
@@ -52,7 +54,7 @@ def main():
     for d in args.headdims:
         b, h = 16384 // n, 2048 // d
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        hd = ka._padded_headdim(d)
+        hd = padded_headdim(d)
         for causal in args.causal:
             right = 0 if causal else -1
             if args.fwd:
@@ -61,7 +63,7 @@ def main():
                 for (bm, bn, w), s, ws in itertools.product(tiles, (2, 3, 4), (False,)):
                     if hd == 256 and bn > 64:
                         continue
-                    cfg = ka._Config(bm, bn, w, s, ws)
+                    cfg = TileConfig(bm, bn, w, s, ws)
                     try:
                         fn = lambda: ka.attention_forward(q, k, v, d ** -0.5, -1, right, config=cfg)
                         fn()

@@ -250,7 +250,7 @@ class KernelTiles:
 
 
 def _padded_headdim(headdim: int) -> int:
-    """``flashtile.kernels.attention._padded_headdim``: the next power of two, at least 16."""
+    """``flashtile.kernels.attention.padded_headdim``: the next power of two, at least 16."""
     return max(16, 1 << (headdim - 1).bit_length())
 
 
@@ -303,9 +303,9 @@ def kernel_tiles(headdim: int, dtype="bfloat16", causal: bool = False, *, interp
         return types.FunctionType(fn.__code__, {**fn.__globals__, "INTERPRET": interpreter}, fn.__name__,
                                   fn.__defaults__, fn.__closure__)
 
-    hd = attention._padded_headdim(headdim)
-    fwd = with_interpret_flag(attention._fwd_config)(hd, torch_dtype, causal)
-    dkdv, dq = with_interpret_flag(attention._bwd_config)(hd, torch_dtype, causal)
+    hd = attention.padded_headdim(headdim)
+    fwd = with_interpret_flag(attention.fwd_config)(hd, torch_dtype, causal)
+    dkdv, dq = with_interpret_flag(attention.bwd_config)(hd, torch_dtype, causal)
     return KernelTiles((fwd.block_m, fwd.block_n), (dkdv.block_m, dkdv.block_n), (dq.block_m, dq.block_n), hd)
 
 

@@ -543,14 +543,14 @@ _FA_SHAPES = [(sq, nheads, nheads_k, d, paged, seqlen_k, dtype)
 
 def test_launch_configs_fit_the_shared_memory_budget(monkeypatch):
     from flashtile.kernels import decode as kd
-    from flashtile.kernels.attention import _padded_headdim
+    from flashtile.kernels.tma import padded_headdim
 
     monkeypatch.setattr(kd, "sm_count", lambda index: 132)  # an H200
     monkeypatch.setattr(kd, "INTERPRET", False)
     monkeypatch.setattr(kd, "smem_budget", lambda index: 232448)
     monkeypatch.delenv(kd.TUNING_ENV, raising=False)
     for sq, nheads, nheads_k, d, paged, seqlen_k, dtype in _FA_SHAPES:
-        hd = _padded_headdim(d)
+        hd = padded_headdim(d)
         capacity = -(-seqlen_k // 256) * 256 if paged else seqlen_k
         elt = torch.empty((), dtype=dtype).element_size()
         cfg = kd.launch_config(2, nheads_k, capacity, torch.device("cuda", 0), paged, hd, sq * nheads // nheads_k,

@@ -157,6 +157,8 @@ def test_varlen_kernels_keep_sequences_apart(causal, window, softcap, alibi, dro
     """
     from flashtile import cpu
     from flashtile.kernels import attention as ka
+    from flashtile.kernels.runtime import TileConfig
+    from flashtile.kernels.tma import padded_headdim
 
     lens_q, lens_k = [5, 19, 0, 1, 12, 3], [7, 33, 3, 2, 9, 4]
     scales = [1.0, 1000.0, 1.0, 1000.0, 1.0, 1000.0]
@@ -177,8 +179,8 @@ def test_varlen_kernels_keep_sequences_apart(causal, window, softcap, alibi, dro
     left, right = window[0], 0 if causal else window[1]
     kw = dict(softcap=softcap, alibi_slopes=slopes, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
               dropout=(dropout, 11, 0) if dropout else None)
-    cfg_kv, cfg_q = ka._bwd_config(ka._padded_headdim(24), q.dtype, right >= 0)
-    cfg_kv = ka._Config(cfg_kv.block_m, cfg_kv.block_n, cfg_kv.num_warps, cfg_kv.num_stages, kv_as_b=kv_as_b)
+    cfg_kv, cfg_q = ka.bwd_config(padded_headdim(24), q.dtype, right >= 0)
+    cfg_kv = TileConfig(cfg_kv.block_m, cfg_kv.block_n, cfg_kv.num_warps, cfg_kv.num_stages, kv_as_b=kv_as_b)
 
     monkeypatch.setattr(ka, "torch", _NanEmpty())
     out, lse = ka.varlen_attention_forward(q, k, v, cu_q, cu_k, 0.3, left, right, **kw)

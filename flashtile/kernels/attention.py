@@ -43,51 +43,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashtile.kernels.dropout import dropout_scale
 from flashtile.kernels.engine import forward_engine
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
-from flashtile.kernels.runtime import INTERPRET, cdiv, next_power_of_2
-
-LOG2E = 1.4426950408889634
-
-
-
-@triton.jit
-def _tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """Map the 1-D program id to (tile index, batch * head).
-
-    One flat grid dimension: CUDA caps grid y/z at 65535, which batch * heads can exceed.
-    Tiles of one head are adjacent so they share that head's K/V stream in L2.  With a
-    causal-like mask later tiles have more work (HEAVY_LAST): they start first, so the
-    longest programs do not run last on a half-empty GPU.
-    """
-    pid = tl.program_id(0)
-    num_tiles = tl.cdiv(seqlen, BLOCK)
-    tile = pid % num_tiles
-    if HEAVY_LAST:
-        tile = num_tiles - 1 - tile
-    return tile, pid // num_tiles
+from flashtile.kernels.online_softmax import (
+    LOG2E,
+    alibi_slope_log2,
+    online_max,
+    recompute_p,
+    score_mod,
+    score_mod_args,
+    softcap_grad,
+)
+from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
+from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
+from flashtile.kernels.tma import descriptor, padded_headdim, tma_ready
 
 
-@triton.jit
-def _clamped_span(CU, b, rows):
-    # Sequence b's rows [start, end) clamped into the packed tensor's [0, rows): the host
-    # checks cu_seqlens, but not under CUDA-graph capture or torch.compile tracing, and a
-    # bad value must never turn into an out-of-bounds read or write.
-    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), rows)
-    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), rows)
-    return start, end - start
-
-
-@triton.jit
-def _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """(q_start, seqlen_q, k_start, seqlen_k) of batch entry ``b``.
-
-    Dense: ``seqlen_q``/``seqlen_k`` are the lengths.  Packed: they are the packed tensors'
-    row counts, and sequence ``b`` is read from cu_seqlens, clamped into them.
-    """
-    if VARLEN:
-        q_start, seqlen_q = _clamped_span(CU_Q, b, seqlen_q)
-        k_start, seqlen_k = _clamped_span(CU_K, b, seqlen_k)
-        return q_start, seqlen_q, k_start, seqlen_k
-    return 0, seqlen_q, 0, seqlen_k
 
 
 @triton.jit
@@ -113,79 +82,6 @@ def _store_tile(desc, ptr, b, row, h, tile, row_end, VARLEN: tl.constexpr):
         desc.store([b, row, h, 0], tile.to(desc.dtype).reshape([1, tile.shape[0], 1, tile.shape[1]]))
 
 
-@triton.jit
-def _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
-               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Scores in log2 units after the score order of docs/semantics.md (scale, softcap, ALiBi), and tanh.
-
-    ``q_idx``/``k_idx`` broadcast to ``qk``'s shape (either orientation).  The softcap's
-    ``tanh`` is returned for the backward, whose dS picks up ``1 - tanh^2``.
-    """
-    if HAS_SOFTCAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1) with softcap_scale = 2 * log2(e) * scale / softcap:
-        # built on exp2 (tl.math has no tanh) and saturating cleanly to +-1 at overflow.
-        t = 1.0 - 2.0 / (tl.math.exp2(qk * softcap_scale) + 1.0)
-        s = t * softcap_log2
-    else:
-        t = qk
-        s = qk * qk_scale
-    if HAS_ALIBI:
-        s = s - slope_log2 * tl.abs(q_idx + (seqlen_k - seqlen_q) - k_idx).to(tl.float32)
-    return s, t
-
-
-@triton.jit
-def _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
-    if HAS_ALIBI:
-        return tl.load(ALIBI + b * stride_ab + h) * 1.4426950408889634
-    return 0.0
-
-
-@triton.jit
-def _online_max(qk, m_i, scale, MASKED: tl.constexpr):
-    """Running row max after one tile, ``max(m_i, rowmax(qk) * scale)`` (log2 units), and the
-    value the tile's exp2 arguments subtract.
-
-    Only a masked tile can leave a row with no visible key so far (m = -inf): it subtracts 0
-    instead, so exp2(-inf - -inf) = NaN never appears and its probabilities stay exactly 0.
-    """
-    m_ij = tl.maximum(m_i, tl.max(qk, 1) * scale)
-    if MASKED:
-        return m_ij, tl.where(m_ij == float("-inf"), 0.0, m_ij)
-    return m_ij, m_ij
-
-
-@triton.jit
-def _recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                 softcap_scale, softcap_log2, slope_log2,
-                 MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """The backward's P = exp2(score - LSE) for a tile in either orientation, and tanh.
-
-    ``q_idx``, ``k_idx`` and ``lse2`` (the LSE in log2 units, +inf for empty rows) are shaped
-    to broadcast to ``qk`` (see ``band_mask``).
-    """
-    if HAS_SOFTCAP or HAS_ALIBI:
-        s, tanh = _score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
-                             softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
-        p = tl.math.exp2(s - lse2)
-    else:
-        tanh = qk
-        p = tl.math.exp2(qk * qk_scale - lse2)
-    if MASKED:
-        visible = band_mask(q_idx, k_idx, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
-        p = tl.where(visible, p, 0.0)
-    return p, tanh
-
-
-@triton.jit
-def _softcap_grad(ds, tanh, HAS_SOFTCAP: tl.constexpr):
-    # d(cap * tanh(x / cap)) = (1 - tanh^2) dx: the chain rule through the softcap.
-    if HAS_SOFTCAP:
-        ds = ds * (1.0 - tanh * tanh)
-    return ds
-
-
 # --------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------
@@ -207,7 +103,7 @@ def _fwd_tiles(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if HAS_SOFTCAP or HAS_ALIBI:
-            qk, _ = _score_mod(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale,
+            qk, _ = score_mod(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale,
                                softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
             s_scale = 1.0  # qk is already in log2 units
         else:
@@ -216,7 +112,7 @@ def _fwd_tiles(
             visible = band_mask(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
                                 MASK_LEFT, MASK_RIGHT)
             qk = tl.where(visible, qk, float("-inf"))
-        m_ij, m_sub = _online_max(qk, m_i, s_scale, MASKED)
+        m_ij, m_sub = online_max(qk, m_i, s_scale, MASKED)
         # exp(s*scale - m) == exp2(s*scale*log2e - m*log2e): with qk_scale = scale*log2e
         # and m kept in log2 units, the scale and the max subtraction are one FMA per score
         # feeding the hardware's native exp2.
@@ -242,13 +138,13 @@ def _attn_fwd(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
+    pid_m, bh = tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
     h = bh % nheads
     hk = h // group
     m0 = pid_m * BLOCK_M
-    slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
-    q_start, seqlen_q, k_start, seqlen_k = _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    slope_log2 = alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
     if VARLEN:
         if m0 >= seqlen_q:  # the grid covers the longest sequence
             return
@@ -308,10 +204,10 @@ def _bwd_preprocess(
     seqlen_q, max_seqlen_q, nheads, headdim,
     HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, False)
+    pid_m, bh = tile_and_head(max_seqlen_q, BLOCK_M, False)
     b = bh // nheads
     h = bh % nheads
-    q_start, seqlen_q, _, _ = _sequence_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, VARLEN)
+    q_start, seqlen_q, _, _ = sequence_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < headdim)
@@ -362,25 +258,25 @@ def _dkdv_tiles(
         do = DO_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         if KV_AS_B:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+            p, tanh = recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                    qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                    MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
             drop = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                                  HAS_DROPOUT)
             dv = tl.dot(tl.trans((p * drop).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
+            ds = softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
         else:
             qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            pT, tanhT = _recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
+            pT, tanhT = recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
                                      qk_scale, window_left, window_right, softcap_scale, softcap_log2,
                                      slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
             dropT = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                                   HAS_DROPOUT, KEYS_FIRST=True)
             dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dsT = _softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
+            dsT = softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
             dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -395,12 +291,12 @@ def _attn_bwd_dkdv(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
 ):
-    pid_n, bhk = _tile_and_head(max_seqlen_k, BLOCK_N, False)
+    pid_n, bhk = tile_and_head(max_seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
     hk = bhk % nheads_k
     n0 = pid_n * BLOCK_N
     batch = b
-    q_start, seqlen_q, k_start, seqlen_k = _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
     if VARLEN:
         if n0 >= seqlen_k:
             return
@@ -416,7 +312,7 @@ def _attn_bwd_dkdv(
     for g in range(0, group):
         h = hk * group + g
         rows = batch.to(tl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / D rows
-        slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
+        slope_log2 = alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
         if MASK_RIGHT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, lo, full_lo,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
@@ -454,13 +350,13 @@ def _dq_tiles(
         v = V_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        p, tanh = _recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+        p, tanh = recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
                                MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
         drop = dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                              HAS_DROPOUT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = _softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
+        ds = softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -474,14 +370,14 @@ def _attn_bwd_dq(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, bh = _tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
+    pid_m, bh = tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
     h = bh % nheads
     hk = h // group
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    slope_log2 = _alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
-    q_start, seqlen_q, k_start, seqlen_k = _sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    slope_log2 = alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
     row_base = b.to(tl.int64) * stride_lb + h * stride_lh + q_start  # LSE / D / dropout-RNG row
     row = row_base + offs_m
     if VARLEN:
@@ -520,58 +416,7 @@ def _attn_bwd_dq(
 # --------------------------------------------------------------------------------------
 
 
-def _padded_headdim(d: int) -> int:
-    return max(16, next_power_of_2(d))
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """TMA needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
-
-    Tensors from ordinary allocations with headdim a multiple of 8 (fp16/bf16) already
-    qualify; anything else is copied once into a padded, contiguous buffer.
-    """
-    elt = t.element_size()
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
-    if ok:
-        return t
-    d = t.shape[-1]
-    d_pad = -(-d * elt // 16) * 16 // elt
-    return torch.nn.functional.pad(t, (0, d_pad - d)).contiguous()
-
-
-def _descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDescriptor:
-    # Shape keeps the *true* head dim: columns past it read as zeros and are never written.
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_pad])
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not silently drop to tf32 (~1e-3 relative error).
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-class _Config:
-    """One tile configuration; small enough to read at a glance."""
-
-    def __init__(self, block_m, block_n, num_warps, num_stages, warp_specialize=False, kv_as_b=False, maxnreg=0):
-        self.block_m, self.block_n = block_m, block_n
-        self.num_warps, self.num_stages = num_warps, num_stages
-        self.warp_specialize = warp_specialize
-        self.kv_as_b = kv_as_b  # dK/dV kernel only: which operand K, V are (see _dkdv_tiles)
-        self.maxnreg = maxnreg  # ptxas register cap, 0 = none (FP8 forward only)
-
-    def launch_options(self) -> dict:
-        """The launch keywords of this configuration (``num_warps``, ``num_stages``, ``maxnreg``)."""
-        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
-        if self.maxnreg:
-            opts["maxnreg"] = self.maxnreg
-        return opts
-
-    def __repr__(self):
-        return (f"Config(BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, warps={self.num_warps}, "
-                f"stages={self.num_stages}, ws={self.warp_specialize}, kv_as_b={self.kv_as_b}, maxnreg={self.maxnreg})")
-
-
-def _fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> _Config:
+def fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> TileConfig:
     """Tiles measured best on an H200 (bf16, N = 16k; benchmarks/tune_attention.py; the
     alternatives in docs/tuning.md).
 
@@ -580,13 +425,13 @@ def _fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> _Config:
     failed to compile, so no config uses it.
     """
     if INTERPRET:
-        return _Config(16, 32, 4, 1)  # dropout's key tiles are multiples of 32
+        return TileConfig(16, 32, 4, 1)  # dropout's key tiles are multiples of 32
     if head_dim_pad <= 128:
-        return _Config(64, 64, 4, 3)
-    return _Config(64, 32, 4, 3) if causal else _Config(128, 64, 8, 3)
+        return TileConfig(64, 64, 4, 3)
+    return TileConfig(64, 32, 4, 3) if causal else TileConfig(128, 64, 8, 3)
 
 
-def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_Config, _Config]:
+def bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[TileConfig, TileConfig]:
     """(dK/dV config, dQ config), measured on an H200 (bf16, N = 16k; alternatives in docs/tuning.md).
 
     Avoid dK/dV tiles with BLOCK_M == HEAD_DIM and BLOCK_N = 128: Triton 3.6 miscompiled
@@ -596,19 +441,19 @@ def _bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[_C
     as every other tile).
     """
     if INTERPRET:
-        return _Config(16, 32, 4, 1), _Config(16, 32, 4, 1)
+        return TileConfig(16, 32, 4, 1), TileConfig(16, 32, 4, 1)
     if head_dim_pad <= 32:
-        return _Config(64, 128, 8, 2), _Config(64, 64, 4, 3)
+        return TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3)
     if head_dim_pad <= 64:
         # 357 / 370 TFLOP/s of backward at N = 16k (non-causal / causal) against 340 / 333
         # with (32, 128) key tiles (benchmarks/tune_attention.py --bwd --headdims 64).
-        return _Config(64, 64, 4, 3), _Config(64, 64, 4, 3)
+        return TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 3)
     if head_dim_pad <= 128:
         # 32 queries per step keeps the dK/dV kernel's spills at tens of bytes instead of
         # hundreds (benchmarks/kernel_report.py): 393 / 401 TFLOP/s of backward at d = 128,
         # N = 16k (non-causal / causal) against 325 / 343 with 64 queries.
-        return _Config(32, 128, 8, 3), _Config(64, 64, 4, 3)
-    return _Config(64, 64, 8, 2), _Config(128, 64, 8, 2)
+        return TileConfig(32, 128, 8, 3), TileConfig(64, 64, 4, 3)
+    return TileConfig(64, 64, 8, 2), TileConfig(128, 64, 8, 2)
 
 
 # --------------------------------------------------------------------------------------
@@ -622,23 +467,7 @@ def _dropout_args(dropout: tuple | None) -> dict:
     return dict(HAS_DROPOUT=p > 0, dropout_p=float(p), seed=int(seed), rng_offset=int(offset))
 
 
-def _score_mod_args(softmax_scale: float, softcap: float, alibi_slopes, placeholder: torch.Tensor) -> dict:
-    """Kernel arguments for the optional softcap and ALiBi (see ``_score_mod``)."""
-    has_alibi = alibi_slopes is not None
-    if has_alibi:
-        alibi_slopes = alibi_slopes.contiguous()  # the kernels step over heads with stride 1
-    return dict(
-        HAS_SOFTCAP=softcap > 0,
-        softcap_scale=2.0 * LOG2E * softmax_scale / softcap if softcap > 0 else 0.0,
-        softcap_log2=softcap * LOG2E,
-        HAS_ALIBI=has_alibi,
-        alibi=alibi_slopes if has_alibi else placeholder,
-        # (nheads,) slopes are shared by every batch entry: batch stride 0.
-        stride_ab=(alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0) if has_alibi else 0,
-    )
-
-
-class _Layout:
+class Layout:
     """Dense ``(batch, seqlen, heads, d)`` or packed ``(total, heads, d)`` inputs, as the kernels see them.
 
     Both are addressed through host TMA descriptors: a packed tensor is viewed as one batch
@@ -653,7 +482,7 @@ class _Layout:
             self.batch = cu_seqlens_q.numel() - 1
             self.seqlen_q, self.seqlen_k = max_seqlen_q, max_seqlen_k  # grid extent; kernels read the rest
             # What the kernels' seqlen arguments carry for a packed batch: the row counts that
-            # bound every cu_seqlens value (see _sequence_bounds).
+            # bound every cu_seqlens value (see sequence_bounds).
             self.rows_q, self.rows_k = q.shape[0], k.shape[0]
             # The kernels read cu_seqlens[b] at offset b: a strided view is copied first.
             self.cu_q, self.cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
@@ -670,12 +499,12 @@ class _Layout:
             self.rng_cols = self.seqlen_k
 
     def prepare(self, t):
-        return _tma_ready(t)
+        return tma_ready(t)
 
     def tiles(self, t, rows, hd, make=None):
         """A ``[1, rows, 1, hd]``-box descriptor over ``t`` (``make``: the descriptor factory,
-        default ``_descriptor``; the Gluon kernels pass theirs)."""
-        make = make or _descriptor
+        default ``descriptor``; the Gluon kernels pass theirs)."""
+        make = make or descriptor
         if not self.varlen:
             return make(t, rows, hd)
         if t.shape[0] == 0:
@@ -700,13 +529,13 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
 
         return attention_fwd.forward(layout, q, k, v, softmax_scale, window_left, window_right)
     d = q.shape[-1]
-    hd = _padded_headdim(d)
-    cfg = config or _fwd_config(hd, q.dtype, window_right >= 0)
+    hd = padded_headdim(d)
+    cfg = config or fwd_config(hd, q.dtype, window_right >= 0)
     q_, k_, v_ = layout.prepare(q), layout.prepare(k), layout.prepare(v)
     out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
     grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
-    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     drop = _dropout_args(dropout)
     _attn_fwd[grid](
         layout.tiles(q_, cfg.block_m, hd), layout.tiles(k_, cfg.block_n, hd), layout.tiles(v_, cfg.block_n, hd),
@@ -719,7 +548,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"],
         VARLEN=layout.varlen,
-        WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=_dot_precision(q.dtype),
+        WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _unpad(out_, d), lse
@@ -728,8 +557,8 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
 def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
               softcap, alibi_slopes, dropout):
     d = q.shape[-1]
-    hd = _padded_headdim(d)
-    cfg_kv, cfg_q = configs or _bwd_config(hd, q.dtype, window_right >= 0)
+    hd = padded_headdim(d)
+    cfg_kv, cfg_q = configs or bwd_config(hd, q.dtype, window_right >= 0)
     q_, k_, v_, do_ = (layout.prepare(t) for t in (q, k, v, dout))
     nheads, nheads_k, batch = layout.nheads, layout.nheads_k, layout.batch
     # The kernels address LSE-shaped tensors with the layout's contiguous strides; a view
@@ -753,10 +582,10 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
     dv_ = torch.empty(v_.shape, dtype=v.dtype, device=v.device)
-    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     drop = _dropout_args(dropout)
     common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-                  DOT_PRECISION=_dot_precision(q.dtype), HEAD_DIM=hd, VARLEN=layout.varlen,
+                  DOT_PRECISION=dot_precision(q.dtype), HEAD_DIM=hd, VARLEN=layout.varlen,
                   HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"])
     rng = (drop["dropout_p"], drop["seed"], drop["rng_offset"], layout.rng_cols)
     group = nheads // nheads_k
@@ -789,7 +618,7 @@ def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, c
     """Forward. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out like q, lse ``(b, h, nq)`` fp32).
 
     ``dropout``: ``(p, seed, offset)`` or None (see ``flashtile.dropout``)."""
-    return _forward(_Layout(q, k), q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
+    return _forward(Layout(q, k), q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
                     dropout)
 
 
@@ -797,7 +626,7 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, w
                        deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None, dropout=None):
     """Backward: preprocess, dK/dV and dQ kernels, bitwise deterministic whatever
     ``deterministic`` says (no atomics)."""
-    return _backward(_Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
+    return _backward(Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
                      configs, softcap, alibi_slopes, dropout)
 
 
@@ -808,7 +637,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
 
     One launch for the whole batch; ``max_seqlen_*`` size the grid (computed with a host sync
     when not given)."""
-    layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
                     dropout)
 
@@ -816,7 +645,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
                               window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, max_seqlen_q=None,
                               max_seqlen_k=None, configs=None, dropout=None, deterministic=False):
-    layout = _Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
                      softcap, alibi_slopes, dropout)
 

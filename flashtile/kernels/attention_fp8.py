@@ -35,16 +35,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashtile.kernels.attention import (
-    LOG2E,
-    _Config,
-    _descriptor,
-    _online_max,
-    _tile_and_head,
-    _tma_ready,
-)
 from flashtile.kernels.masking import band_mask, key_tiles
-from flashtile.kernels.runtime import INTERPRET, cdiv, next_power_of_2
+from flashtile.kernels.online_softmax import LOG2E, online_max
+from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, next_power_of_2
+from flashtile.kernels.tile_info import tile_and_head
+from flashtile.kernels.tma import descriptor, tma_ready
 
 # e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; exponent 1111 with
 # mantissa 111 is NaN, so the largest finite value is 1.110b * 2^8 = 448.
@@ -115,7 +110,7 @@ def _fp8_fwd_tiles(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             visible = band_mask(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, -1, 0, False, CAUSAL)
             qk = tl.where(visible, qk, float("-inf"))
-        m_ij, m_sub = _online_max(qk, m_i, qk_scale, MASKED)
+        m_ij, m_sub = online_max(qk, m_i, qk_scale, MASKED)
         # One FMA per score: descales, softmax scale and log2(e) live in qk_scale, and the
         # offset in the subtrahend, so P = 2^OFFSET * exp(s - m) costs nothing extra.
         p = tl.math.exp2(qk * qk_scale - (m_sub - OFFSET)[:, None])
@@ -145,7 +140,7 @@ def _attn_fwd_fp8(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, OFFSET: tl.constexpr, V_TRANSPOSED: tl.constexpr, EXACT_ROUNDING: tl.constexpr,
 ):
-    pid_m, bh = _tile_and_head(seqlen_q, BLOCK_M, CAUSAL)
+    pid_m, bh = tile_and_head(seqlen_q, BLOCK_M, CAUSAL)
     b = bh // nheads
     h = bh % nheads
     hk = h // group
@@ -192,7 +187,7 @@ def padded_headdim(d: int) -> int:
     return max(32, next_power_of_2(d))
 
 
-def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, interpret: bool = INTERPRET) -> _Config:
+def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, interpret: bool = INTERPRET) -> TileConfig:
     """Default tiles, measured on an H200 (the alternatives: docs/tuning.md, "FP8 forward").
 
     V pre-transposed, d <= 128: one warpgroup per program (64 query rows, 4 warps, 128-key
@@ -207,12 +202,12 @@ def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, inter
     at 176-190 TFLOP/s (d = 128), with (128, 128, 8, 3) at 235-268.
     """
     if interpret:
-        return _Config(16, 32, 4, 1)
+        return TileConfig(16, 32, 4, 1)
     if not v_transposed:
-        return _Config(128, 128, 8, 3) if head_dim_pad <= 128 else _Config(128, 64, 8, 2)
+        return TileConfig(128, 128, 8, 3) if head_dim_pad <= 128 else TileConfig(128, 64, 8, 2)
     if head_dim_pad <= 128:
-        return _Config(64, 128, 4, 3)
-    return _Config(64, 64, 8, 3)
+        return TileConfig(64, 128, 4, 3)
+    return TileConfig(64, 64, 8, 3)
 
 
 @triton.jit
@@ -272,20 +267,20 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     hd = padded_headdim(d)
     cfg = config or fwd_config(hd, causal, v_transposed)
-    q_, k_ = _tma_ready(q), _tma_ready(k)
+    q_, k_ = tma_ready(q), tma_ready(k)
     if v_transposed:
         if not _tma_aligned(v):
             raise ValueError(f"a transposed v must have unit last stride and 16-byte aligned base and strides "
                              f"(flashtile.fp8.transpose_v makes one), got strides {tuple(v.stride())}")
         v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, hd, cfg.block_n])
     else:
-        v_desc = _descriptor(_tma_ready(v), cfg.block_n, hd)
+        v_desc = descriptor(tma_ready(v), cfg.block_n, hd)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
     grid = (cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
     _attn_fwd_fp8[grid](
-        _descriptor(q_, cfg.block_m, hd), _descriptor(k_, cfg.block_n, hd), v_desc,
-        _descriptor(out, cfg.block_m, hd), lse, q_descale, k_descale, v_descale,
+        descriptor(q_, cfg.block_m, hd), descriptor(k_, cfg.block_n, hd), v_desc,
+        descriptor(out, cfg.block_m, hd), lse, q_descale, k_descale, v_descale,
         *_descale_strides(q_descale), *_descale_strides(k_descale), *_descale_strides(v_descale),
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),

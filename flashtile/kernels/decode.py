@@ -29,16 +29,18 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.attention import (
-    LOG2E,
-    _dot_precision,
-    _online_max,
-    _padded_headdim,
-    _score_mod,
-    _score_mod_args,
-)
 from flashtile.kernels.masking import band_mask
-from flashtile.kernels.runtime import INTERPRET, cdiv, has_programmatic_launch, next_power_of_2, parse_tuning, sm_count
+from flashtile.kernels.online_softmax import LOG2E, online_max, score_mod, score_mod_args
+from flashtile.kernels.runtime import (
+    INTERPRET,
+    cdiv,
+    dot_precision,
+    has_programmatic_launch,
+    next_power_of_2,
+    parse_tuning,
+    sm_count,
+)
+from flashtile.kernels.tma import padded_headdim
 
 # --- Launch knobs (H200, CUDA graph; every measured alternative: docs/tuning.md) ----------
 # Key tiles: 128 for a contiguous cache (batch 1, 32k: 3.0 TB/s against 2.9 with 64), but 64
@@ -181,7 +183,7 @@ def _decode_split(
         k = tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP or HAS_ALIBI:
-            s, _ = _score_mod(qk, i[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+            s, _ = score_mod(qk, i[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
                               softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         else:
             s = qk * qk_scale
@@ -190,7 +192,7 @@ def _decode_split(
         if PAGED:
             visible = visible & key_ok[None, :]  # keys behind an invalid page id
         s = tl.where(visible, s, float("-inf"))
-        m_new, m_sub = _online_max(s, m_i, 1.0, True)  # every tile may hold masked keys
+        m_new, m_sub = online_max(s, m_i, 1.0, True)  # every tile may hold masked keys
         p = tl.math.exp2(s - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -376,7 +378,7 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    hd = _padded_headdim(d)
+    hd = padded_headdim(d)
     knob = knobs()
     group = nheads // nheads_k
     cfg = launch_config(batch, nheads_k, capacity, q.device, paged, hd, group * seqlen_q, q.element_size(), knob)
@@ -392,7 +394,7 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
-    mods = _score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     has_seqlens = isinstance(seqlens_k, torch.Tensor)
     placeholder = lse  # for pointer arguments the kernel does not read
     _decode_split[(batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))](
@@ -410,7 +412,7 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), PDL=pdl, DIRECT=direct,
+        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct,
         num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
     )
     if not direct:

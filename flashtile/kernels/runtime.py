@@ -55,3 +55,30 @@ def cdiv(x: int, y: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to tf32 (~1e-3 relative error).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class TileConfig:
+    """One tile configuration; small enough to read at a glance."""
+
+    def __init__(self, block_m, block_n, num_warps, num_stages, warp_specialize=False, kv_as_b=False, maxnreg=0):
+        self.block_m, self.block_n = block_m, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.warp_specialize = warp_specialize
+        self.kv_as_b = kv_as_b  # dK/dV kernel only: which operand K, V are (see _dkdv_tiles)
+        self.maxnreg = maxnreg  # ptxas register cap, 0 = none (FP8 forward only)
+
+    def launch_options(self) -> dict:
+        """The launch keywords of this configuration (``num_warps``, ``num_stages``, ``maxnreg``)."""
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg:
+            opts["maxnreg"] = self.maxnreg
+        return opts
+
+    def __repr__(self):
+        return (f"TileConfig(BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, warps={self.num_warps}, "
+                f"stages={self.num_stages}, ws={self.warp_specialize}, kv_as_b={self.kv_as_b}, maxnreg={self.maxnreg})")

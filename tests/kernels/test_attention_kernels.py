@@ -15,6 +15,8 @@ import torch
 from helpers import assert_close_to_reference, random_like, random_qkv, reference_attention_grads
 
 from flashtile.kernels import attention as ka
+from flashtile.kernels.runtime import TileConfig
+from flashtile.kernels.tma import padded_headdim
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -238,9 +240,9 @@ def test_dkdv_orientations_match_reference(causal):
     out, lse = ka.attention_forward(q, k, v, 0.2, -1, right)
     dout = random_like(out, seed=6)
     ref = reference_attention_grads(q, k, v, dout, softmax_scale=0.2, causal=causal)
-    base_kv, base_q = ka._bwd_config(ka._padded_headdim(32), q.dtype, causal)
+    base_kv, base_q = ka.bwd_config(padded_headdim(32), q.dtype, causal)
     for kv_as_b in (False, True):
-        cfg_kv = ka._Config(base_kv.block_m, base_kv.block_n, base_kv.num_warps, base_kv.num_stages, kv_as_b=kv_as_b)
+        cfg_kv = TileConfig(base_kv.block_m, base_kv.block_n, base_kv.num_warps, base_kv.num_stages, kv_as_b=kv_as_b)
         grads = ka.attention_backward(dout, q, k, v, out, lse, 0.2, -1, right, configs=(cfg_kv, base_q))
         for name, got, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
             torch.testing.assert_close(got.double(), r, atol=2e-5, rtol=1e-4, msg=f"{name}, kv_as_b={kv_as_b}")
@@ -268,9 +270,9 @@ def test_softcap_and_alibi_match_reference(softcap, alibi_shape, causal):
     ref = reference_attention_grads(q, k, v, dout, softmax_scale=0.3, causal=causal, **kw)
     torch.testing.assert_close(out.double(), ref[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse.double(), ref[1], atol=2e-5, rtol=1e-5)
-    base_kv, base_q = ka._bwd_config(ka._padded_headdim(32), q.dtype, causal)
+    base_kv, base_q = ka.bwd_config(padded_headdim(32), q.dtype, causal)
     for kv_as_b in (False, True):
-        cfg_kv = ka._Config(base_kv.block_m, base_kv.block_n, base_kv.num_warps, base_kv.num_stages, kv_as_b=kv_as_b)
+        cfg_kv = TileConfig(base_kv.block_m, base_kv.block_n, base_kv.num_warps, base_kv.num_stages, kv_as_b=kv_as_b)
         grads = ka.attention_backward(dout, q, k, v, out, lse, 0.3, -1, right, configs=(cfg_kv, base_q), **kw)
         for name, got, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
             torch.testing.assert_close(got.double(), r, atol=5e-5, rtol=1e-4, msg=f"{name}, kv_as_b={kv_as_b}")

@@ -41,7 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.masking import band_mask, key_tiles
-from flashtile.kernels.runtime import cdiv, next_power_of_2, sm_count
+from flashtile.kernels.runtime import cdiv, sm_count
+from flashtile.kernels.tma import padded_headdim
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -350,10 +351,6 @@ class HopperConfig:
                 f"regs={self.consumer_regs}/{self.producer_regs})")
 
 
-def padded_headdim(d: int) -> int:
-    return max(16, next_power_of_2(d))
-
-
 @functools.lru_cache(maxsize=None)
 def config_for(head_dim_pad: int) -> HopperConfig:
     """The tile configuration per padded head dim (shared memory: Q + stages * (K + V));
@@ -376,7 +373,7 @@ def _descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
 
 
 def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None):
-    """The Hopper forward for ``layout`` (``flashtile.kernels.attention._Layout``): (out, lse).
+    """The Hopper forward for ``layout`` (``flashtile.kernels.attention.Layout``): (out, lse).
 
     The output is allocated at the true head dim and written in place (no padded copy), the
     LSE laid out as the ``tl.*`` kernels lay it out, for their backward.

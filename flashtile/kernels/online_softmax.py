@@ -1,0 +1,107 @@
+"""The score and softmax pieces every attention kernel shares, and their launch arguments.
+
+Scores follow docs/semantics.md's order (scale, softcap, ALiBi, masks) in log2 units, so the
+softmax runs on the hardware's native ``exp2`` with the scale folded into one FMA:
+``score_mod`` applies the optional softcap and ALiBi, ``online_max`` keeps the running row
+max (rows with nothing visible yet subtract 0, never ``-inf - -inf``), ``recompute_p``
+rebuilds the backward's probabilities from the saved LSE, ``softcap_grad`` is the chain rule
+through the softcap.  ``score_mod_args`` turns ``softcap`` / ``alibi_slopes`` into the kernel
+arguments that drive them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.kernels.masking import band_mask
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores in log2 units after the score order of docs/semantics.md (scale, softcap, ALiBi), and tanh.
+
+    ``q_idx``/``k_idx`` broadcast to ``qk``'s shape (either orientation).  The softcap's
+    ``tanh`` is returned for the backward, whose dS picks up ``1 - tanh^2``.
+    """
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1) with softcap_scale = 2 * log2(e) * scale / softcap:
+        # built on exp2 (tl.math has no tanh) and saturating cleanly to +-1 at overflow.
+        t = 1.0 - 2.0 / (tl.math.exp2(qk * softcap_scale) + 1.0)
+        s = t * softcap_log2
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s - slope_log2 * tl.abs(q_idx + (seqlen_k - seqlen_q) - k_idx).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI: tl.constexpr):
+    if HAS_ALIBI:
+        return tl.load(ALIBI + b * stride_ab + h) * 1.4426950408889634
+    return 0.0
+
+
+@triton.jit
+def online_max(qk, m_i, scale, MASKED: tl.constexpr):
+    """Running row max after one tile, ``max(m_i, rowmax(qk) * scale)`` (log2 units), and the
+    value the tile's exp2 arguments subtract.
+
+    Only a masked tile can leave a row with no visible key so far (m = -inf): it subtracts 0
+    instead, so exp2(-inf - -inf) = NaN never appears and its probabilities stay exactly 0.
+    """
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * scale)
+    if MASKED:
+        return m_ij, tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    return m_ij, m_ij
+
+
+@triton.jit
+def recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                 softcap_scale, softcap_log2, slope_log2,
+                 MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """The backward's P = exp2(score - LSE) for a tile in either orientation, and tanh.
+
+    ``q_idx``, ``k_idx`` and ``lse2`` (the LSE in log2 units, +inf for empty rows) are shaped
+    to broadcast to ``qk`` (see ``band_mask``).
+    """
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s, tanh = score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+                             softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(s - lse2)
+    else:
+        tanh = qk
+        p = tl.math.exp2(qk * qk_scale - lse2)
+    if MASKED:
+        visible = band_mask(q_idx, k_idx, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+        p = tl.where(visible, p, 0.0)
+    return p, tanh
+
+
+@triton.jit
+def softcap_grad(ds, tanh, HAS_SOFTCAP: tl.constexpr):
+    # d(cap * tanh(x / cap)) = (1 - tanh^2) dx: the chain rule through the softcap.
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - tanh * tanh)
+    return ds
+
+
+def score_mod_args(softmax_scale: float, softcap: float, alibi_slopes, placeholder: torch.Tensor) -> dict:
+    """Kernel arguments for the optional softcap and ALiBi (see ``score_mod``)."""
+    has_alibi = alibi_slopes is not None
+    if has_alibi:
+        alibi_slopes = alibi_slopes.contiguous()  # the kernels step over heads with stride 1
+    return dict(
+        HAS_SOFTCAP=softcap > 0,
+        softcap_scale=2.0 * LOG2E * softmax_scale / softcap if softcap > 0 else 0.0,
+        softcap_log2=softcap * LOG2E,
+        HAS_ALIBI=has_alibi,
+        alibi=alibi_slopes if has_alibi else placeholder,
+        # (nheads,) slopes are shared by every batch entry: batch stride 0.
+        stride_ab=(alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0) if has_alibi else 0,
+    )

@@ -1,0 +1,32 @@
+"""Host side of the TMA tiles: head-dim padding, TMA-ready tensors, tensor descriptors."""
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashtile.kernels.runtime import next_power_of_2
+
+
+def padded_headdim(d: int) -> int:
+    """The head dim the kernels tile with: the next power of two, at least 16 (a tl.arange
+    and a bf16 wgmma K step); the descriptors read the columns past ``d`` as zeros."""
+    return max(16, next_power_of_2(d))
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
+
+    Tensors from ordinary allocations with headdim a multiple of 8 (fp16/bf16) already
+    qualify; anything else is copied once into a padded, contiguous buffer.
+    """
+    elt = t.element_size()
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
+    if ok:
+        return t
+    d = t.shape[-1]
+    d_pad = -(-d * elt // 16) * 16 // elt
+    return torch.nn.functional.pad(t, (0, d_pad - d)).contiguous()
+
+
+def descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDescriptor:
+    # Shape keeps the *true* head dim: columns past it read as zeros and are never written.
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_pad])
