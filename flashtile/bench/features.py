@@ -22,7 +22,7 @@ import random
 import torch
 
 from flashtile.bench.common import compile_for_benchmark, default_out_dir, environment, save_figure, save_results, subplots
-from flashtile.bench.gpu import _time
+from flashtile.bench.gpu import time_attention
 
 NHEADS, HEADDIM = 16, 128
 
@@ -92,7 +92,7 @@ def _varlen_records(env, lengths, causal, modes, label):
                        seqlen_q=longest, seqlen_k=longest, headdim=HEADDIM, causal=causal, total_tokens=total,
                        lengths=label, **env)
             try:
-                ms = _time(fn, mode, *args)
+                ms = time_attention(fn, mode, *args)
             except Exception as e:  # noqa: BLE001
                 records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 continue
@@ -126,7 +126,7 @@ def _window_records(env, seqlen, left, modes):
                        seqlen_q=seqlen, seqlen_k=seqlen, headdim=HEADDIM, causal=True,
                        window_left=left if impl != "flashtile_full_causal" else -1, window_right=0, **env)
             try:
-                ms = _time(fn, mode, q, k, v)
+                ms = time_attention(fn, mode, q, k, v)
             except Exception as e:  # noqa: BLE001
                 records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 continue
@@ -149,7 +149,7 @@ def _dropout_records(env, seqlens):
                 rec = dict(bench="dropout", impl="flashtile", mode="fwd_bwd", dtype="bfloat16", batch=batch, nheads=NHEADS,
                            nheads_k=NHEADS, seqlen_q=seqlen, seqlen_k=seqlen, headdim=HEADDIM, causal=causal,
                            dropout_p=p, **env)
-                ms = _time(lambda q_, k_, v_: flashtile.flash_attn_func(q_, k_, v_, dropout_p=p, causal=causal), "fwd_bwd", q, k, v)
+                ms = time_attention(lambda q_, k_, v_: flashtile.flash_attn_func(q_, k_, v_, dropout_p=p, causal=causal), "fwd_bwd", q, k, v)
                 base = ms if p == 0.0 else base
                 pairs = batch * _pairs(seqlen, seqlen, causal) if causal else batch * seqlen * seqlen
                 records.append(dict(rec, ms=ms, tflops=_flops_pairs(pairs, NHEADS, HEADDIM, "fwd_bwd") / (ms * 1e-3) / 1e12,

@@ -112,7 +112,8 @@ def _impl_fn(impl: str, causal: bool, headdim: int):
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)}")
 
 
-def _time(fn, mode, q, k, v):
+def time_attention(fn, mode, q, k, v):
+    """Median milliseconds of ``fn(q, k, v)`` (``mode`` "fwd") or of its forward + backward."""
     import triton
 
     if mode == "fwd":
@@ -198,7 +199,7 @@ def run_gpu_benchmark(
         gen = torch.Generator(device="cuda").manual_seed(seqlen)
         q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
         try:
-            ms = _time(fns[key], mode, q, k, v)
+            ms = time_attention(fns[key], mode, q, k, v)
         except Exception as e:  # noqa: BLE001 - a peer without support for a shape is recorded, not fatal
             records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
