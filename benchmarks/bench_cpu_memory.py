@@ -1,22 +1,21 @@
-"""The CPU path's memory is O(N * block), not O(N^2): measured up to N = 32k.
+"""The CPU path's memory is O(N), not O(N^2): measured up to N = 32k, next to PyTorch's SDPA.
 
     python benchmarks/bench_cpu_memory.py [--seqlens 4096 8192 16384 32768] [--bwd-max 32768]
 
-batch 1, 1 head, headdim 64, float32, non-causal.  For every N it runs flashtile's forward
-and forward+backward once, each in a fresh Python process (warmed up on N=256 first, glibc
-set to give every allocation >= 64 KiB back on free, see ``flashtile.bench.cpu.ISOLATED_ENV``),
-and records the peak extra resident memory of the call
-(:func:`flashtile.bench.common.peak_memory`: peak RSS during the call minus RSS with the
-inputs allocated).  It prints bytes and bytes/N,
-and a least-squares fit peak = a + b * N: a constant (the chunk temporaries and allocator
-slack, a few MiB) plus a slope close to the O(N) outputs, next to the 4 * N^2 bytes that the fp32 N x N
-score matrix of naive attention alone would take (computed; naive is measured for real only
+batch 1, 1 head, headdim 64, float32, non-causal: a call flashtile's CPU path gives to
+PyTorch's fused flash kernel (flashtile.cpu, engine "fused"), the kernel SDPA runs too.  For
+every N it runs flashtile's and SDPA's forward and forward+backward once, each in a fresh
+Python process (warmed up first, glibc set to give every allocation >= 64 KiB back on free,
+see ``flashtile.bench.cpu.ISOLATED_ENV``), and records the peak extra resident memory of the
+call (:func:`flashtile.bench.common.peak_memory`: peak RSS during the call minus RSS with the
+inputs allocated).  It prints bytes and bytes/N, flashtile / SDPA, and a least-squares fit
+peak = a + b * N: a constant (score blocks and allocator slack, a few MiB) plus a slope close
+to the O(N) outputs, next to the 4 * N^2 bytes that the fp32 N x N score matrix of naive attention alone would take (computed; naive is measured for real only
 where that is small, N <= 8192).
 
 What the linear term is: the forward returns out (N x D fp32 = 256 B per token at D=64) and
-the LSE (4 B per token); the backward leaves dq, dk, dv (3 x 256 B per token) and builds
-them in fp32 accumulators of the same size.  Everything else is a (block_m x block_n) chunk of
-scores, 256 x 512 floats = 512 KiB per live temporary, independent of N.
+the LSE (4 B per token); the backward leaves dq, dk, dv (3 x 256 B per token).  Everything
+else is per-thread score blocks, independent of N.
 
 Records are appended to benchmarks/results/cpu_memory.jsonl (bench="cpu_memory").
 Runtime on 2 idle cores: about 3-4 minutes (forward+backward at 32k is ~30-60 s by itself).
@@ -57,6 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bwd-max", type=int, default=32768, help="largest N for forward+backward")
     parser.add_argument("--naive-max", type=int, default=8192, help="largest N at which naive is run for real")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--no-sdpa", action="store_true", help="measure flashtile (and naive) only")
     args = parser.parse_args(argv)
 
     env = environment("cpu")
@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     cases = [("flashtile", "fwd", n) for n in args.seqlens]
     cases += [("flashtile", "fwd_bwd", n) for n in args.seqlens if n <= args.bwd_max]
+    if not args.no_sdpa:
+        cases += [("sdpa", "fwd", n) for n in args.seqlens]
+        cases += [("sdpa", "fwd_bwd", n) for n in args.seqlens if n <= args.bwd_max]
     cases += [("naive", "fwd", n) for n in args.seqlens if n <= args.naive_max]
     records = []
     for impl, mode, n in cases:
@@ -124,6 +127,15 @@ def main(argv=None) -> int:
             print(f"least-squares fit: peak ~ {format_bytes(a)} + {slope:.0f} B x N   "
                   f"(O(N) tensors it must return/keep: {expect} B/token; naive's S alone: 4*N B/token, "
                   f"{4 * rows[-1]['seqlen_q']} at N={rows[-1]['seqlen_q']})")
+        print()
+    sdpa = {(r["mode"], r["seqlen_q"]): r["peak_extra_bytes"] for r in records if r["impl"] == "sdpa"}
+    if sdpa:
+        print("flashtile / sdpa peak extra memory")
+        for r in records:
+            other = sdpa.get((r["mode"], r["seqlen_q"])) if r["impl"] == "flashtile" else None
+            if other:
+                print(f"  {r['mode']:7s} N={r['seqlen_q']:6d}: {format_bytes(r['peak_extra_bytes']):>10} / "
+                      f"{format_bytes(other):>10} = {r['peak_extra_bytes'] / other:.2f}")
         print()
     naive = [r for r in records if r["impl"] == "naive"]
     if naive:

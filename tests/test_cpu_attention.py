@@ -96,7 +96,10 @@ def check_against_reference(
 
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes)
     ref = reference_attention_grads(q, k, v, dout, dlse, upcast=True, **kw)
-    torch.testing.assert_close(lse, ref[1].float(), **LSE_TOL)  # -inf rows must match exactly
+    smax = _max_abs_score(q, k, softmax_scale)
+    # A float32 score of size |s| carries a rounding error of about eps32 * |s|, and so does the
+    # LSE; -inf rows must match exactly.
+    torch.testing.assert_close(lse, ref[1].float(), atol=LSE_TOL["atol"] + 4 * EPS32 * smax, rtol=LSE_TOL["rtol"])
     names = ("out", "dq", "dk", "dv")
     mine = (out, dq, dk, dv)
     ref64 = (ref[0], ref[2], ref[3], ref[4])
@@ -107,7 +110,6 @@ def check_against_reference(
     low = reference_attention_grads(q, k, v, dout, dlse, upcast=False, **kw)
     reflow = (low[0], low[2], low[3], low[4])
     floors = FP32_FLOORS if dtype == torch.float32 else LOWP_FLOORS
-    smax = _max_abs_score(q, k, softmax_scale)
     for name, a, b, c, floor in zip(names, mine, ref64, reflow, floors):
         if dtype == torch.float32:
             floor = floor + 4 * EPS32 * smax * b.abs().max().item()
@@ -253,18 +255,24 @@ def test_extreme_logits(dtype, causal):
     check_against_reference(dtype, 2, 40, 40, 2, 2, 32, causal=causal, softmax_scale=scale)
 
 
-def test_backward_recomputes_the_forward_probabilities():
+@pytest.mark.parametrize("engine", ["tiled", "fused"])
+def test_backward_recomputes_the_forward_probabilities(engine):
     # dv = P^T dO depends on P alone, so its error exposes any mismatch between the P the
-    # forward normalised (through the LSE) and the P the backward rebuilds.
+    # forward normalised (through the LSE) and the P the backward rebuilds.  The tiled engine
+    # rounds its scores identically in both (q scaled once): within 4x the naive float32
+    # error.  PyTorch's fused kernel rounds them differently in its forward and backward, an
+    # O(eps32 * max|s|) relative error in P -- what the conditioning bound of
+    # check_against_reference allows, ~25x the naive error at these |s| ~ 1000.
     q, k, v = random_qkv(2, 40, 40, 2, 2, 32, torch.float32)
     raw = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()).abs().max().item()
     scale = 1000.0 / raw
     dout = random_like(q, seed=1)
-    out, lse = cpu.attention_forward(q, k, v, scale)
-    _, _, dv = cpu.attention_backward(dout, q, k, v, out, lse, scale)
+    out, lse = cpu.attention_forward(q, k, v, scale, engine=engine)
+    _, _, dv = cpu.attention_backward(dout, q, k, v, out, lse, scale, engine=engine)
     ref = reference_attention_grads(q, k, v, dout, softmax_scale=scale)
     low = reference_attention_grads(q, k, v, dout, softmax_scale=scale, upcast=False)
-    assert_close_to_reference(dv, ref[4], low[4], name="dv", factor=4.0, atol_floor=1e-5)
+    floor = 1e-5 if engine == "tiled" else 1e-5 + 4 * EPS32 * 1000.0 * ref[4].abs().max().item()
+    assert_close_to_reference(dv, ref[4], low[4], name="dv", factor=4.0, atol_floor=floor)
 
 
 def test_all_scores_very_negative():

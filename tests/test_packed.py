@@ -176,7 +176,7 @@ def test_kvpacked_through_kernels(monkeypatch, varlen):
 @pytest.mark.parametrize("call,message", [
     (lambda: flash_attn_qkvpacked_func(torch.randn(2, 4, 2, 2, 8)), "qkv must have shape \\(batch, seqlen, 3"),
     (lambda: flash_attn_qkvpacked_func(torch.randn(4, 3, 2, 8)), "qkv must have 5 dimensions"),
-    (lambda: flash_attn_qkvpacked_func(torch.randn(2, 4, 3, 2, 8).double()), "qkv must have dtype"),
+    (lambda: flash_attn_qkvpacked_func(torch.randn(2, 4, 3, 2, 8).long()), "qkv must have dtype"),
     (lambda: flash_attn_kvpacked_func(torch.randn(2, 4, 2, 8), torch.randn(2, 4, 3, 2, 8)), "kv must have shape"),
     (lambda: flash_attn_varlen_qkvpacked_func(torch.randn(2, 4, 3, 2, 8), torch.tensor([0, 4], dtype=torch.int32), 4),
      "qkv must have 4 dimensions"),

@@ -163,13 +163,23 @@ def _naive_skip_reason(batch, nheads, seqlen, dtype, mode, budget) -> str | None
     return None
 
 
+WARMUP_SEQLENS = (256, 1024)
+
+
 def _warmup(impls: Iterable[str], modes: Iterable[str], headdim: int, dtype: torch.dtype, causal: bool) -> None:
-    """Pay one-time costs (lazy imports, op registration, thread pools) before measuring."""
-    for impl in impls:
-        for mode in modes:
-            case = _Case(impl, mode, 1, 256, 1, headdim, dtype, causal)
-            case()
-            case.reset()
+    """Pay one-time costs (lazy imports, op registration, thread pools) before measuring.
+
+    Two sizes, because PyTorch's fused CPU kernel (behind SDPA and flashtile's CPU path)
+    picks its block sizes by seqlen_q (< 192, < 768, >= 768), each a separate template
+    instance: without the larger warm-up the first case measured at N >= 768 pays for
+    faulting in that code (~0.6 MiB of resident set), which whichever implementation runs
+    second then gets for free."""
+    for n in WARMUP_SEQLENS:
+        for impl in impls:
+            for mode in modes:
+                case = _Case(impl, mode, 1, n, 1, headdim, dtype, causal)
+                case()
+                case.reset()
 
 
 def time_one(
@@ -244,7 +254,7 @@ def memory_isolated(
 
     Each spec is a dict of :func:`memory_one`'s arguments (``dtype`` a torch dtype or its
     name, e.g. ``"float32"``).  The interpreter runs with :data:`ISOLATED_ENV`, warms every
-    (impl, mode) up on N=256, then measures the specs one after the other, so it holds no
+    (impl, mode) up (:func:`_warmup`), then measures the specs one after the other, so it holds no
     heap from anything else.  ``on_result`` is called with each result as it arrives.
     Start-up costs a few seconds (importing torch, the first custom-op call).
     """
@@ -311,12 +321,17 @@ def run_cpu_benchmark(
     print_table: bool = True,
     memory: str | None = None,
     contention_retries: int = 2,
+    bwd_seqlens: Sequence[int] | None = None,
+    run: str | None = None,
 ) -> list[dict]:
     """Benchmark attention on the CPU; returns the records and appends them to ``out_path``.
 
     ``out_path``: JSONL file to append to; ``"auto"`` (default) is
     ``default_out_dir() / "attention_cpu.jsonl"``, ``None`` writes nothing.
-    ``modes``: ``"fwd"`` for every N, ``"fwd_bwd"`` only for N <= ``bwd_max_seqlen``.
+    ``modes``: ``"fwd"`` for every N, ``"fwd_bwd"`` only for N <= ``bwd_max_seqlen`` (and in
+    ``bwd_seqlens`` when given).  ``run``: recorded in every record (default: this call's start
+    time), so that the records of one run -- e.g. the several shapes of :func:`run_cpu_sweep` --
+    can be told apart from earlier ones in the same file.
     ``naive`` is skipped (recorded with ``skipped`` set, ``ms`` None) where its N x N
     scores would exceed ``naive_budget_bytes`` or its estimated peak would not fit in memory.
     ``quick``: one timed repeat per case, no contention retries, memory measured in-process
@@ -357,16 +372,18 @@ def run_cpu_benchmark(
         out_path = default_out_dir() / "attention_cpu.jsonl"
 
     env = environment("cpu")
+    run = run or env["date"]
     method = cpu_peak_memory_method() + (", fresh process, MALLOC_MMAP_THRESHOLD_=65536" if memory == "isolated" else ", in-process")
     records = []
     for mode in modes:
         for n in seqlens:
-            if mode == "fwd_bwd" and n > bwd_max_seqlen:
+            if mode == "fwd_bwd" and (n > bwd_max_seqlen or (bwd_seqlens is not None and n not in bwd_seqlens)):
                 continue
             for impl in impls:
                 reason = _naive_skip_reason(batch, nheads, n, dtype, mode, naive_budget_bytes) if impl == "naive" else None
                 records.append({
                     "bench": "attention_cpu",
+                    "run": run,
                     "impl": impl,
                     "mode": mode,
                     "dtype": dtype_name(dtype),
@@ -455,41 +472,100 @@ def run_cpu_benchmark(
 
 
 def plot_cpu(records: Sequence[dict], path: str | Path) -> None:
-    """Draw ``records`` (one run of :func:`run_cpu_benchmark`) to ``path``: median time and
-    peak extra memory against N, a line per (impl, mode), log-log.
+    """Draw ``records`` (one run of :func:`run_cpu_benchmark` or :func:`run_cpu_sweep`) to
+    ``path``: median time and peak extra memory against N, a line per (impl, mode), log-log;
+    one row of two panels per (headdim, causal) shape.
 
     Raises ImportError without matplotlib."""
-    fig, (ax_t, ax_m) = subplots(1, 2, figsize=(10, 3.8))
+    shapes = list(dict.fromkeys((r["headdim"], r["causal"]) for r in records)) or [(None, None)]
+    fig, axes = subplots(len(shapes), 2, figsize=(10, 3.8 * len(shapes)), squeeze=False)
     styles = {"fwd": "-", "fwd_bwd": "--"}
-    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in records)):
-        color = f"C{i}"
-        for mode in dict.fromkeys(r["mode"] for r in records):
-            rows = sorted((r for r in records if r["impl"] == impl and r["mode"] == mode and r.get("ms") is not None),
-                          key=lambda r: r["seqlen_q"])
-            if not rows:
-                continue
-            label = f"{impl} {mode.replace('_', '+')}"
-            n = [r["seqlen_q"] for r in rows]
-            ax_t.plot(n, [r["ms"] for r in rows], styles.get(mode, "-"), color=color, marker="o", ms=3, label=label)
-            mem = [(r["seqlen_q"], r["peak_extra_bytes"] / 2**20) for r in rows if r.get("peak_extra_bytes")]
-            if mem:
-                ax_m.plot(*zip(*mem), styles.get(mode, "-"), color=color, marker="o", ms=3, label=label)
-    r0 = records[0] if records else {}
-    title = (f"CPU attention: batch {r0.get('batch')}, heads {r0.get('nheads')}, d={r0.get('headdim')}, "
-             f"{r0.get('dtype')}, causal={r0.get('causal')}")
-    seqlens = sorted({r["seqlen_q"] for r in records})
-    for ax, ylabel in ((ax_t, "median ms"), (ax_m, "peak extra MiB")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(seqlens, [str(n) for n in seqlens])
-        ax.minorticks_off()
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, which="both")
-    ax_t.set_title(title, fontsize=9)
-    ax_m.set_title(str(r0.get("device", "")), fontsize=8)
-    ax_t.legend(fontsize=7)
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    for (ax_t, ax_m), (headdim, causal) in zip(axes, shapes):
+        rows_of_shape = [r for r in records if (r["headdim"], r["causal"]) == (headdim, causal)]
+        for i, impl in enumerate(impls):
+            color = f"C{i}"
+            for mode in dict.fromkeys(r["mode"] for r in rows_of_shape):
+                rows = sorted((r for r in rows_of_shape if r["impl"] == impl and r["mode"] == mode
+                               and r.get("ms") is not None), key=lambda r: r["seqlen_q"])
+                if not rows:
+                    continue
+                label = f"{impl} {mode.replace('_', '+')}"
+                n = [r["seqlen_q"] for r in rows]
+                ax_t.plot(n, [r["ms"] for r in rows], styles.get(mode, "-"), color=color, marker="o", ms=3, label=label)
+                mem = [(r["seqlen_q"], r["peak_extra_bytes"] / 2**20) for r in rows if r.get("peak_extra_bytes")]
+                if mem:
+                    ax_m.plot(*zip(*mem), styles.get(mode, "-"), color=color, marker="o", ms=3, label=label)
+        r0 = rows_of_shape[0] if rows_of_shape else {}
+        title = (f"CPU attention: batch {r0.get('batch')}, heads {r0.get('nheads')}, d={r0.get('headdim')}, "
+                 f"{r0.get('dtype')}, causal={r0.get('causal')}, {r0.get('threads')} threads")
+        seqlens = sorted({r["seqlen_q"] for r in rows_of_shape})
+        for ax, ylabel in ((ax_t, "median ms"), (ax_m, "peak extra MiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqlens, [str(n) for n in seqlens])
+            ax.minorticks_off()
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3, which="both")
+        ax_t.set_title(title, fontsize=9)
+        ax_m.set_title(str(r0.get("device", "")), fontsize=8)
+        ax_t.legend(fontsize=7)
     save_figure(fig, path)
+
+
+def format_ratios(records: Sequence[dict], baseline: str = "sdpa", impl: str = "flashtile") -> str:
+    """``impl`` against ``baseline`` case by case: speed-up (baseline ms / impl ms, > 1 means
+    ``impl`` is faster) and peak-extra-memory ratio (impl / baseline, < 1 means it uses less)."""
+    by = {(r["impl"], r["mode"], r["headdim"], r["causal"], r["seqlen_q"]): r for r in records}
+    lines = [f"{impl} vs {baseline}: speed-up = {baseline} ms / {impl} ms; memory = {impl} / {baseline} peak extra",
+             f"{'mode':>8} {'d':>4} {'causal':>6} {'N':>6} | {impl + ' ms':>13} {baseline + ' ms':>10} "
+             f"{'speed-up':>8} | {'memory':>6}"]
+    lines.append("-" * len(lines[-1]))
+    for (name, mode, d, causal, n), r in by.items():
+        b = by.get((baseline, mode, d, causal, n))
+        if name != impl or b is None or r.get("ms") is None or b.get("ms") is None:
+            continue
+        mem = (f"{r['peak_extra_bytes'] / b['peak_extra_bytes']:>6.2f}"
+               if r.get("peak_extra_bytes") and b.get("peak_extra_bytes") else f"{'-':>6}")
+        lines.append(f"{mode:>8} {d:>4} {str(causal):>6} {n:>6} | {r['ms']:>13.1f} {b['ms']:>10.1f} "
+                     f"{b['ms'] / r['ms']:>8.2f} | {mem}")
+    return "\n".join(lines)
+
+
+def run_cpu_sweep(
+    seqlens: Sequence[int] = (1024, 4096, 16384),
+    headdims: Sequence[int] = (64, 128),
+    causals: Sequence[bool] = (False, True),
+    out_dir: str | Path | None = _AUTO,
+    impls: Sequence[str] = ("flashtile", "sdpa"),
+    progress: bool = True,
+    **kwargs,
+) -> list[dict]:
+    """:func:`run_cpu_benchmark` for every (headdim, causal), as one run (one ``run`` id, one
+    thread count): forward and forward + backward at every N by default.  Appends the records
+    to ``out_dir / "attention_cpu.jsonl"``, draws them to ``attention_cpu.png`` there (when
+    matplotlib is installed) and prints :func:`format_ratios`."""
+    if out_dir == _AUTO:
+        out_dir = default_out_dir()
+    out_path = None if out_dir is None else Path(out_dir) / "attention_cpu.jsonl"
+    kwargs.setdefault("bwd_max_seqlen", max(seqlens))
+    run = environment("cpu")["date"]
+    records = []
+    for headdim in headdims:
+        for causal in causals:
+            records += run_cpu_benchmark(seqlens=seqlens, headdim=headdim, causal=causal, out_path=out_path,
+                                         impls=impls, progress=progress, print_table=False, run=run, **kwargs)
+    print(format_ratios(records))
+    if out_dir is not None:
+        print(f"\n{len(records)} records appended to {out_path}")
+        try:
+            plot_cpu(records, Path(out_dir) / "attention_cpu.png")
+        except ImportError:
+            print("matplotlib is not installed: no plot")
+        else:
+            print(f"plot of this run: {Path(out_dir) / 'attention_cpu.png'}")
+    return records
 
 
 def format_table(records: Sequence[dict]) -> str:
@@ -532,8 +608,30 @@ def format_table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the worker of memory_isolated
-    if len(sys.argv) == 3 and sys.argv[1] == "--measure-memory":
-        _memory_worker(sys.argv[2])
-    else:
-        sys.exit("usage: python -m flashtile.bench.cpu --measure-memory JSON  (use `flashtile bench` instead)")
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m flashtile.bench.cpu [--out DIR] [--seqlens N ...] [--headdims D ...]``: the
+    sweep of :func:`run_cpu_sweep` (flashtile against PyTorch's SDPA).  Also the worker of
+    :func:`memory_isolated` (``--measure-memory JSON``)."""
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) == 2 and argv[0] == "--measure-memory":
+        _memory_worker(argv[1])
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m flashtile.bench.cpu", description=main.__doc__.split(".")[0])
+    parser.add_argument("--out", metavar="DIR", default=None, help="results folder (default: the per-user cache)")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if min(args.seqlens) < 1 or not all(1 <= d <= 256 for d in args.headdims):
+        parser.error("--seqlens must be >= 1 and --headdims in [1, 256]")
+    out = _AUTO if args.out is None else Path(args.out)
+    if out is not _AUTO:
+        out.mkdir(parents=True, exist_ok=True)
+    run_cpu_sweep(seqlens=args.seqlens, headdims=args.headdims, out_dir=out, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,8 @@
 Two ops, ``flashtile::attention_forward`` and ``flashtile::attention_backward``, each with a
 fake (meta) implementation so ``torch.compile(fullgraph=True)`` traces through them without
 a graph break.  Each dispatches on the device: CUDA tensors go to the Triton kernels,
-everything else to the tiled PyTorch CPU path.  The backward recomputes P from the saved
+everything else to the CPU path (``flashtile.cpu``: PyTorch's fused CPU kernel or the tiled
+path, chosen per call).  The backward recomputes P from the saved
 LSE; nothing of size seqlen_q x seqlen_k is saved between the two.
 """
 

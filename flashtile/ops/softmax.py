@@ -5,6 +5,8 @@ three leading indices with their strides (``collapse_rows``), so transposed, sli
 broadcast inputs and masks are read in place.  Only when a layout needs more than three
 leading indices is a contiguous copy made.  CUDA tensors run the Triton kernels (and so do
 CPU tensors under ``TRITON_INTERPRET=1``, the interpreter); otherwise plain PyTorch runs.
+float64 is a CPU-path dtype: computed in float64 by plain PyTorch (also under the
+interpreter), rejected on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -13,18 +15,19 @@ import os
 
 import torch
 
-SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+from flashtile.ops.validation import check_dtype
 
 
 def _use_triton(x: torch.Tensor) -> bool:
+    if x.dtype == torch.float64:  # the kernels compute in float32; float64 is the CPU path's
+        return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check(x, dim, scale, mask):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED:
-        raise ValueError(f"x must have dtype torch.float16, torch.bfloat16 or torch.float32, got {x.dtype}")
+    check_dtype("x", x.dtype, x.device.type)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension, got a 0-d tensor")
     if isinstance(dim, bool) or not isinstance(dim, int):
@@ -55,13 +58,15 @@ def _check(x, dim, scale, mask):
 
 
 def _torch_softmax(x, dim, scale, mask, log):
-    """The CPU path: the same function in float32 PyTorch (empty rows give 0 / -inf, not NaN)."""
+    """The CPU path: the same function in float32 (float64 for float64 x) PyTorch (empty rows
+    give 0 / -inf, not NaN)."""
     if x.shape[dim] == 0:
         return x.clone()  # empty, and still in x's autograd graph as torch.softmax's result is
-    t = x.float() * scale
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    t = x.to(compute) * scale
     if mask is not None:
         # The mask receives no gradient, as on the Triton path (README, softmax).
-        t = t.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else t + mask.detach().float()
+        t = t.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else t + mask.detach().to(compute)
     m = t.amax(dim=dim, keepdim=True)
     shifted = t - torch.where(m == float("-inf"), 0.0, m)
     l = shifted.exp().sum(dim=dim, keepdim=True)

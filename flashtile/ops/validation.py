@@ -16,8 +16,12 @@ import torch
 from flashtile.masking import normalize_window
 
 MAX_HEADDIM = 256
+# What the GPU kernels take.  The CPU path takes float64 as well (computed in float64
+# throughout: exact attention, and the dtype torch.autograd.gradcheck needs).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CPU_DTYPES = SUPPORTED_DTYPES + (torch.float64,)
 _DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
+_CPU_DTYPE_NAMES = "torch.float16, torch.bfloat16, torch.float32 or torch.float64"
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,25 @@ class AttentionParams:
     deterministic: bool
 
 
+def check_dtype(name: str, dtype: torch.dtype, device_type: str) -> None:
+    """float16 / bfloat16 / float32 anywhere; float64 on the CPU path only."""
+    if dtype in SUPPORTED_DTYPES:
+        return
+    if dtype == torch.float64:
+        if device_type == "cpu":
+            return
+        raise ValueError(f"{name} has dtype torch.float64, which the GPU kernels do not take (float64 runs on the CPU "
+                         f"path only); on {device_type} use {_DTYPE_NAMES}")
+    raise ValueError(f"{name} must have dtype {_CPU_DTYPE_NAMES if device_type == 'cpu' else _DTYPE_NAMES}, "
+                     f"got {dtype}")
+
+
 def _check_tensor(name: str, t, rank: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
     if t.dim() != rank:
         raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} must have dtype {_DTYPE_NAMES}, got {t.dtype}")
+    check_dtype(name, t.dtype, t.device.type)
     if t.stride(-1) != 1 and t.shape[-1] != 1:
         raise ValueError(
             f"{name} must be contiguous in its last (head) dimension, got strides {tuple(t.stride())}; "

@@ -993,7 +993,7 @@ def _x():
     [
         (lambda f: f([[1.0, 2.0]]), TypeError, "x must be a torch.Tensor"),
         (lambda f: f(torch.ones(3, 4, dtype=torch.int32)), ValueError, "dtype"),
-        (lambda f: f(torch.ones(3, 4, dtype=torch.float64)), ValueError, "dtype"),
+        (lambda f: f(torch.ones(3, 4, dtype=torch.complex64)), ValueError, "dtype"),
         (lambda f: f(torch.tensor(1.0)), ValueError, "0-d"),
         (lambda f: f(_x(), 2), ValueError, "dim"),
         (lambda f: f(_x(), -3), ValueError, "dim"),
@@ -1009,7 +1009,7 @@ def _x():
         (lambda f: f(_x(), scale=float("inf")), ValueError, "scale"),
     ],
     ids=[
-        "non_tensor", "int_dtype", "float64", "zero_dim", "dim_too_big", "dim_too_small", "dim_bool",
+        "non_tensor", "int_dtype", "complex64", "zero_dim", "dim_too_big", "dim_too_small", "dim_bool",
         "dim_float", "mask_not_broadcastable", "mask_enlarges", "mask_int", "mask_list", "scale_str",
         "scale_bool", "scale_nan", "scale_inf",
     ],

@@ -94,12 +94,40 @@ def test_wrong_rank(name, shape):
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.float64, torch.complex64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64], ids=str)
 def test_unsupported_dtype(name, dtype):
     shape = (B, NQ, H, D) if name == "q" else (B, NK, HK, D)
     bad = torch.zeros(shape, dtype=dtype)
     with pytest.raises(ValueError, match=rf"\b{name}\b.*dtype"):
         call(**{name: bad})
+
+
+def test_float64_accepted_on_cpu():
+    q, k, v = (t.double() for t in _qkv())
+    out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "x"])
+def test_float64_rejected_for_the_gpu_kernels(name):
+    # The check itself, for a CUDA device (no GPU needed): a ValueError naming the argument
+    # and saying where float64 runs.
+    from flashtile.ops.validation import check_dtype
+
+    with pytest.raises(ValueError, match=rf"^{name} has dtype torch.float64.*GPU kernels.*CPU"):
+        check_dtype(name, torch.float64, "cuda")
+    check_dtype(name, torch.float64, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float64_cuda_tensors_rejected():
+    q, k, v = (t.double().cuda() for t in _qkv())
+    with pytest.raises(ValueError, match=r"^q has dtype torch.float64"):
+        flashtile.flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match=r"^x has dtype torch.float64"):
+        flashtile.softmax(q)
+    with pytest.raises(ValueError, match=r"^qkv has dtype torch.float64"):
+        flashtile.flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2))
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
