@@ -8,24 +8,19 @@ tensor-core rate -- can be read here, before spending device time.  Example::
     python benchmarks/kernel_report.py decode --tiles 16,128,4,3 --causal 0 --kv-as-b 0 1
 
 prints, per configuration, ptxas's register count and spill bytes and the number of
-``HGMMA`` (wgmma) and local-memory (``LDL``/``STL``) instructions in the SASS.
+``HGMMA`` (wgmma) and local-memory (``LDL``/``STL``) instructions in the SASS
+(``flashtile.kernels.sass.report``).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 
 from flashtile.kernels import attention as ka
-
-TARGET = GPUTarget("cuda", 90, 32)
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+from flashtile.kernels.sass import TARGET, report
 COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32",
           "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32",
           "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32",
@@ -91,21 +86,6 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
              if name in sig}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
-
-
-def report(kernel) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                           capture_output=True, text=True)
-        info = " ".join(line.split("ptxas info    : ")[-1] for line in r.stderr.splitlines()
-                        if "registers" in line or "spill" in line)
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-    return {"ptxas": info, **{op: sass.count(op) for op in ("HGMMA", "LDL", "STL", "MUFU.EX2")}}
 
 
 def main():

@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 
 from flashtile.kernels.hopper import attention_fwd as fwd
-
-TARGET = GPUTarget("cuda", 90, 32)
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+from flashtile.kernels.sass import TARGET, report
 HEAD_DIMS = (64, 128, 256)
 # ptxas keeps a few scalars of the persistent work-item loop in local memory in three dense
 # variants (d = 128 causal, d = 256 full and windowed: 4-24 bytes of stores); anything
@@ -56,30 +49,6 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
-
-
-def report(kernel) -> dict:
-    """ptxas's registers / spills / shared memory, and SASS instruction counts."""
-    with tempfile.TemporaryDirectory() as d:
-        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"ptxas failed:\n{r.stderr}")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-
-    def number(pattern):
-        m = re.search(pattern, r.stderr)
-        return int(m.group(1)) if m else 0
-
-    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
-            "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame"),
-            "shared": kernel.metadata.shared, "warnings": [line for line in r.stderr.splitlines() if "warning" in line],
-            **{op: sass.count(op) for op in ("HGMMA", "LDL", "STL", "MUFU.EX2", "SYNCS")}}
 
 
 def within_budget(rep: dict) -> bool:

@@ -1,0 +1,46 @@
+"""What ptxas and the SASS say of a kernel compiled for sm_90a, without a GPU.
+
+Triton compiles for an explicit target on any machine and its wheel carries ``ptxas`` and
+``cuobjdump``: registers, spilled bytes, shared memory and the count of telling instructions
+(``HGMMA`` = wgmma, ``LDL``/``STL`` = local memory, ``MUFU.EX2`` = exp2) can be read here,
+before any device time is spent.  Used by the Gluon compile check
+(``flashtile/kernels/hopper/offline.py``) and ``benchmarks/kernel_report.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+COUNTED = ("HGMMA", "LDL", "STL", "MUFU.EX2", "SYNCS")
+
+
+def report(kernel) -> dict:
+    """ptxas's registers / spills / stack / shared memory, and SASS instruction counts."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"ptxas failed:\n{r.stderr}")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+
+    def number(pattern):
+        m = re.search(pattern, r.stderr)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame"),
+            "shared": kernel.metadata.shared, "warnings": [line for line in r.stderr.splitlines() if "warning" in line],
+            **{op: sass.count(op) for op in COUNTED}}
