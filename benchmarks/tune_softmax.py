@@ -2,7 +2,7 @@
 
 GPU sweep (``M x N = 2**28`` elements, bf16 and fp32, as ``flashtile.bench.softmax``): for
 every row length and every configuration -- a ``FLASHTILE_SOFTMAX_TUNING`` string, see
-``flashtile/kernels/softmax.py`` -- time ``flashtile.softmax`` forward and backward through
+``flashtile/kernels/softmax/tuning.py`` -- time ``flashtile.softmax`` forward and backward through
 the public API with ``triton.testing.do_bench`` and print GB/s, the fraction of the copy
 rate measured in the same run, the strategy the plan picked, and ``torch.softmax``::
 
@@ -243,8 +243,9 @@ def ptx_report(kernel, num_warps) -> dict:
 def report(configs, dtypes):
     os.environ.pop("TRITON_INTERPRET", None)
     from flashtile.kernels import softmax as ks
+    from flashtile.kernels.softmax import cooperative, planning, registers, streaming
 
-    ks._sms = lambda: H200_SMS  # no GPU here: plan for the target's SM count
+    planning._sms = lambda: H200_SMS  # no GPU here: plan for the target's SM count
 
     def variants(dtype, k):
         pol = dict(FIRST_READ="evict_last", LAST_READ="evict_first", WRITE="evict_first") if k["evict"] else \
@@ -258,25 +259,24 @@ def report(configs, dtypes):
             if strategy == "fused":
                 for log in (False, True):
                     consts = dict(LOG=log, MASK_KIND=0, **tiles, **pol)
-                    yield f"{tag} fwd log={int(log)}", ks._softmax_fwd_fused, consts, w
-                    yield f"{tag} bwd log={int(log)}", ks._softmax_bwd_fused, consts, w
-                yield f"{tag} fwd bool mask", ks._softmax_fwd_fused, dict(LOG=False, MASK_KIND=1, **tiles, **pol), w
+                    yield f"{tag} fwd log={int(log)}", streaming._softmax_fwd_fused, consts, w
+                    yield f"{tag} bwd log={int(log)}", streaming._softmax_bwd_fused, consts, w
+                yield (f"{tag} fwd bool mask", streaming._softmax_fwd_fused,
+                       dict(LOG=False, MASK_KIND=1, **tiles, **pol), w)
             else:
-                yield f"{tag} fwd partials", ks._softmax_fwd_partials, dict(MASK_KIND=0, FIRST_READ=pol["FIRST_READ"],
-                                                                            **tiles), w
-                yield f"{tag} fwd write", ks._softmax_fwd_write, dict(LOG=False, MASK_KIND=0, SPLITS=64,
-                                                                      LAST_READ=pol["LAST_READ"], WRITE=pol["WRITE"],
-                                                                      **tiles), w
-                yield f"{tag} bwd partials", ks._softmax_bwd_partials, dict(LOG=False, FIRST_READ=pol["FIRST_READ"],
-                                                                            **tiles), w
-                yield f"{tag} bwd write", ks._softmax_bwd_write, dict(LOG=False, MASK_KIND=0, SPLITS=64,
-                                                                      LAST_READ=pol["LAST_READ"], WRITE=pol["WRITE"],
-                                                                      **tiles), w
-        for backward, fn in ((False, ks._softmax_fwd_cooperative), (True, ks._softmax_bwd_cooperative)):
+                write = dict(LOG=False, MASK_KIND=0, SPLITS=64, LAST_READ=pol["LAST_READ"], WRITE=pol["WRITE"], **tiles)
+                yield (f"{tag} fwd partials", streaming._softmax_fwd_partials,
+                       dict(MASK_KIND=0, FIRST_READ=pol["FIRST_READ"], **tiles), w)
+                yield f"{tag} fwd write", streaming._softmax_fwd_write, write, w
+                yield (f"{tag} bwd partials", streaming._softmax_bwd_partials,
+                       dict(LOG=False, FIRST_READ=pol["FIRST_READ"], **tiles), w)
+                yield f"{tag} bwd write", streaming._softmax_bwd_write, write, w
+        coop = ((False, cooperative._softmax_fwd_cooperative), (True, cooperative._softmax_bwd_cooperative))
+        for backward, fn in coop:
             p = ks.plan(1024, 262144, strategy="cooperative", backward=backward, elem_bytes=elem)
             w = p["num_warps"]
             for log, mask_kind in ((False, 0), (True, 0), (False, 1), (False, 2)):
-                # Unmasked 16-bit rows are held as pairs in int32 words (the launchers' _packing).
+                # Unmasked 16-bit rows are held as pairs in int32 words (packing.word_kind).
                 kind = ks.KIND_PLAIN.value
                 if mask_kind == 0:
                     kind = {"bf16": ks.KIND_BF16X2, "fp16": ks.KIND_F16X2}.get(dtype, ks.KIND_PLAIN).value
@@ -286,7 +286,8 @@ def report(configs, dtypes):
                 yield (f"cooperative chunk={p['BLOCK_N']} warps={w} {'bwd' if backward else 'fwd'} log={int(log)} "
                        f"mask={mask_kind}", fn, consts, w)
         for n_cols in (16384, 32768):
-            for name, fn in (("fwd", ks._softmax_fwd_in_registers), ("bwd", ks._softmax_bwd_in_registers)):
+            for name, fn in (("fwd", registers._softmax_fwd_in_registers),
+                             ("bwd", registers._softmax_bwd_in_registers)):
                 p = ks.plan(1, n_cols, strategy="registers", backward=name == "bwd")
                 yield (f"registers N={n_cols} warps={p['num_warps']} {name}", fn,
                        dict(LOG=False, MASK_KIND=0, ROWS=1, BLOCK_N=p["BLOCK_N"]), p["num_warps"])
@@ -297,8 +298,8 @@ def report(configs, dtypes):
             k = ks.knobs()
             for name, fn, consts, w in variants(dtype, k):
                 # The cooperative kernels' register caps, as their plan() sets them.
-                maxnreg = {ks._softmax_fwd_cooperative: k["coop_fwd_maxnreg"] or k["coop_maxnreg"],
-                           ks._softmax_bwd_cooperative: k["coop_maxnreg"]}.get(fn, 0)
+                maxnreg = {cooperative._softmax_fwd_cooperative: k["coop_fwd_maxnreg"] or k["coop_maxnreg"],
+                           cooperative._softmax_bwd_cooperative: k["coop_maxnreg"]}.get(fn, 0)
                 r = ptx_report(compile_for_sm90(fn, dtype, consts, w, maxnreg=maxnreg), w)
                 print(f"{config or 'defaults':<16} {dtype:<5} {name:<52} " +
                       " ".join(f"{key}={val}" for key, val in r.items()), flush=True)

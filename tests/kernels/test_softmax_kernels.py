@@ -29,6 +29,11 @@ import torch
 
 import flashtile
 from flashtile.kernels import softmax as ks
+from flashtile.kernels.runtime import sm_count
+from flashtile.kernels.softmax import packing as kpack
+from flashtile.kernels.softmax import planning as kplan
+from flashtile.kernels.softmax import residency as kres
+from flashtile.kernels.softmax import tuning as ktune
 from flashtile.ops import softmax as ops_softmax
 from flashtile.ops.softmax import _rows, _torch_softmax
 
@@ -272,7 +277,7 @@ def test_default_plan_bf16(n, log):
 
 
 def test_plan_choices():
-    assert ks.plan(4, ks.IN_REGISTER_MAX)["strategy"] == "registers"
+    assert ks.plan(4, ktune.IN_REGISTER_MAX)["strategy"] == "registers"
     p = ks.plan(4, 1000, strategy="registers")
     assert p["BLOCK_N"] == 1024 and p["BLOCK_N"] >= 1000
     assert ks.plan(1, 1)["BLOCK_N"] >= 1
@@ -307,8 +312,8 @@ def test_plan_choices():
 
 def test_plan_on_h200_shapes(monkeypatch):
     """The default plan at the benchmark's shapes (M x N = 2**28) on a 132-SM GPU."""
-    monkeypatch.setattr(ks, "_sms", lambda: 132)
-    monkeypatch.setattr(ks, "INTERPRET", False)
+    monkeypatch.setattr(kplan, "_sms", lambda: 132)
+    monkeypatch.setattr(kplan, "INTERPRET", False)
     monkeypatch.delenv(ks.TUNING_ENV, raising=False)
 
     def at(n, elem, **kw):
@@ -317,32 +322,32 @@ def test_plan_on_h200_shapes(monkeypatch):
     assert at(16384, 2)["num_warps"] == 16 and at(16384, 2, backward=True)["num_warps"] == 32
     assert at(8192, 2, backward=True)["num_warps"] == 8
     for elem in (2, 4):
-        assert at(ks.IN_REGISTER_MAX, elem)["strategy"] == "registers"
+        assert at(ktune.IN_REGISTER_MAX, elem)["strategy"] == "registers"
         # The backward holds rows of up to COOP_BWD_MAX in chunk programs (the cooperative
         # path); the forward, and longer backward rows, take the two-pass paths below.
-        for n in (ks.IN_REGISTER_MAX + 1, 65536, ks.COOP_BWD_MAX):
+        for n in (ktune.IN_REGISTER_MAX + 1, 65536, ktune.COOP_BWD_MAX):
             p = at(n, elem, backward=True)
             assert p["strategy"] == "cooperative", (n, elem, p)
-            assert p["BLOCK_N"] == ks.COOP_BWD_BLOCK
+            assert p["BLOCK_N"] == ktune.COOP_BWD_BLOCK
             assert p["splits"] == -(-n // p["BLOCK_N"]) and p["slots"] == 2**28 // n
-        assert at(2 * ks.COOP_BWD_MAX, elem, backward=True)["strategy"] == "fused"
+        assert at(2 * ktune.COOP_BWD_MAX, elem, backward=True)["strategy"] == "fused"
     monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304")
     for elem, chunk in ((2, 16384), (4, 8192)):  # 32 KB of input per forward chunk program
         p = at(4194304, elem)
         assert p["strategy"] == "cooperative" and p["BLOCK_N"] == chunk and p["splits"] == 4194304 // chunk
     monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=0")
     for elem in (2, 4):
-        for n in (2 * ks.IN_REGISTER_MAX, 65536, 262144, 1048576):
+        for n in (2 * ktune.IN_REGISTER_MAX, 65536, 262144, 1048576):
             p = at(n, elem)
             assert p["strategy"] == "fused", (n, elem, p)
             # rows in flight x bytes per row within the L2 budget, or one row per SM
             per_sm = p["programs"] // 132
-            assert per_sm >= 1 and (per_sm == 1 or per_sm * 132 * n * elem <= ks.FUSED_L2_BUDGET_MB * 2**20)
+            assert per_sm >= 1 and (per_sm == 1 or per_sm * 132 * n * elem <= ktune.FUSED_L2_BUDGET_MB * 2**20)
             # the same warps per SM however many programs share an SM; 16-byte sub-tiles
-            assert p["num_warps"] * per_sm == ks.FUSED_WARPS_PER_SM
+            assert p["num_warps"] * per_sm == ktune.FUSED_WARPS_PER_SM
             assert p["BLOCK_N"] * elem == p["num_warps"] * 32 * 16
         p = at(4194304, elem)  # 64 rows: fewer than SMs
-        assert p["strategy"] == "split" and p["splits"] * 64 >= ks.SPLIT_PROGRAMS_PER_SM * 132
+        assert p["strategy"] == "split" and p["splits"] * 64 >= ktune.SPLIT_PROGRAMS_PER_SM * 132
     assert at(65536, 2)["programs"] == 2 * 132  # 128 KB rows: two rows per SM fit in L2
     assert at(262144, 2)["programs"] == 132
     assert ks.plan(131, 10**6)["strategy"] == "split" and ks.plan(132, 10**6)["strategy"] == "fused"
@@ -358,7 +363,7 @@ def test_resident_programs_per_sm(monkeypatch):
     """The fused path's grid cap: programs one SM holds, by threads, registers, shared memory."""
     import types
 
-    monkeypatch.setattr(ks, "_device_limits", lambda device_index: (2048, 65536, 233472))
+    monkeypatch.setattr(kres, "_device_limits", lambda device_index: (2048, 65536, 233472))
 
     def compiled(regs, shared):
         return types.SimpleNamespace(n_regs=regs, metadata=types.SimpleNamespace(shared=shared),
@@ -376,11 +381,11 @@ def test_tuning_knobs_from_environment(monkeypatch):
     monkeypatch.setenv(ks.TUNING_ENV, "unroll=2, programs_per_sm=1,fused_min_rows_per_sm=1e9")
     k = ks.knobs()
     assert k["unroll"] == 2 and k["programs_per_sm"] == 1 and k["fused_min_rows_per_sm"] == 1e9
-    assert k["in_register_max"] == ks.IN_REGISTER_MAX  # untouched knobs keep the module's value
-    assert ks.plan(4, 2 * ks.COOPERATIVE_MAX)["strategy"] == "split"
-    assert ks.plan(4, ks.COOP_BWD_MAX, backward=True)["strategy"] == "cooperative"
+    assert k["in_register_max"] == ktune.IN_REGISTER_MAX  # untouched knobs keep the module's value
+    assert ks.plan(4, 2 * ktune.COOPERATIVE_MAX)["strategy"] == "split"
+    assert ks.plan(4, ktune.COOP_BWD_MAX, backward=True)["strategy"] == "cooperative"
     # The forward's cooperative path starts at COOP_FWD_MIN_BYTES per row.
-    n = ks.COOP_FWD_MIN_BYTES // 4
+    n = ktune.COOP_FWD_MIN_BYTES // 4
     assert ks.plan(4, n, elem_bytes=4)["strategy"] == "cooperative"
     assert ks.plan(4, n, elem_bytes=2)["strategy"] == "split"
     assert ks.plan(4, n, elem_bytes=4, masked=True)["strategy"] == "split"  # masked rows stream
@@ -584,7 +589,7 @@ def _forward(x, scale, log, **override):
 def _assert_packed(x, scale, log, **override):
     """Forward and backward on the cooperative path, x (and y, g) held as 16-bit pairs."""
     xm, _, _, sx, _ = _rows(x, x.dim() - 1, None)
-    assert ks._packing(xm, None, sx, xm.shape[-1], x.dtype) != ks.KIND_PLAIN.value
+    assert kpack.word_kind(xm, None, sx, xm.shape[-1], x.dtype) != ks.KIND_PLAIN.value
     g = randn(*x.shape, dtype=x.dtype, seed=x.shape[-1] + 5).to(x.device)
     y, dx = _launch(x, None, scale, log, x.dtype, g, strategy="cooperative", **override)
     x64 = x.double().requires_grad_(True)
@@ -619,7 +624,7 @@ def test_cooperative_forward_packing_choice():
 
     def kind(t, mask=None, out=None):
         tm, mm, _, st, _ = _rows(t, t.dim() - 1, mask)
-        return ks._packing(tm, mm, st, tm.shape[-1], out or t.dtype)
+        return kpack.word_kind(tm, mm, st, tm.shape[-1], out or t.dtype)
 
     assert kind(x) == ks.KIND_BF16X2.value and kind(x.half()) == ks.KIND_F16X2.value
     base = randn(3, 203, dtype=BF16, seed=4)
@@ -655,14 +660,14 @@ def test_public_api_through_streaming_paths(monkeypatch, log, path):
     (cooperative) or, with that path off, streams (fused, or split when FUSED_MIN_ROWS_PER_SM
     asks for more rows than there are): the autograd wiring, dims, strides (a transposed
     view, a sliced one) and masks go through it too."""
-    monkeypatch.setattr(ks, "IN_REGISTER_MAX", 64)
+    monkeypatch.setattr(ktune, "IN_REGISTER_MAX", 64)
     if path == "cooperative":
-        monkeypatch.setattr(ks, "COOPERATIVE_MAX", 1000)
-        monkeypatch.setattr(ks, "COOP_FWD_MIN_BYTES", 0)
+        monkeypatch.setattr(ktune, "COOPERATIVE_MAX", 1000)
+        monkeypatch.setattr(ktune, "COOP_FWD_MIN_BYTES", 0)
     else:
-        monkeypatch.setattr(ks, "COOP_BWD_MAX", 0)
+        monkeypatch.setattr(ktune, "COOP_BWD_MAX", 0)
     if path == "split":
-        monkeypatch.setattr(ks, "FUSED_MIN_ROWS_PER_SM", 10**6)
+        monkeypatch.setattr(ktune, "FUSED_MIN_ROWS_PER_SM", 10**6)
     p = ks.plan(2, 130)
     assert p["strategy"] == path and (path == "fused" or p["splits"] > 1 or not INTERPRET)
     base = randn(130, 2, seed=11)
@@ -1174,7 +1179,7 @@ def test_gpu_cooperative_packed(config, dtype, log, monkeypatch):
 
 def _gpu_rows_for_fused():
     """Enough rows for the default plan to take the fused path on this GPU."""
-    return int(ks.FUSED_MIN_ROWS_PER_SM * ks.sm_count(torch.cuda.current_device())) + 8
+    return int(ktune.FUSED_MIN_ROWS_PER_SM * sm_count(torch.cuda.current_device())) + 8
 
 
 @pytest.mark.gpu

@@ -1,0 +1,126 @@
+"""Launch knobs of the row softmax: where each strategy takes over, and each one's launch shape.
+
+Every knob is a constant of this module that ``plan()`` reads at call time through
+``knobs()``; the environment variable ``FLASHTILE_SOFTMAX_TUNING="name=value,..."`` (names
+as in ``KNOBS``, e.g. ``unroll=2,programs_per_sm=1``) overrides them without editing code,
+and ``benchmarks/tune_softmax.py`` sweeps them on a GPU.  ``knobs()`` reads this module's
+globals, so a test that changes a default patches it here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flashtile.kernels.runtime import parse_tuning
+
+# --- Strategy thresholds and launch knobs (defaults for an H200: 132 SMs, 50 MB L2) ------
+# Rows up to this length are held whole in registers.  At 16k elements and 16 warps that is
+# 32 values per thread (61-91 registers, forward / backward, no spills); at 32k the
+# backward spills (at 16 or 32 warps) and only one program fits per SM, which leaves its
+# load-reduce-store phases unoverlapped, so longer rows stream (fused path) instead.
+IN_REGISTER_MAX = 16384
+# num_warps of the in-register kernel for rows of 8k+ elements; 0 = by row length.
+REGISTER_WARPS = 0
+# Streaming kernels (fused and split): each iteration loads UNROLL sub-tiles back to back;
+# a sub-tile is one 16-byte vector per thread unless STREAM_BLOCK (elements) says otherwise.
+# Bytes in flight per SM, not occupancy, is what sustains HBM bandwidth: 4.2 TB/s x ~0.8 us
+# of loaded latency / 132 SMs ~ 25 KB; 16 warps x 32 threads x 4 x 16 B = 32 KB.
+STREAM_BLOCK = 0
+STREAM_UNROLL = 4
+# Fused path: warps per SM, shared by the resident programs (num_warps = this / programs
+# per SM, so the bytes in flight per SM stay the same however many rows are in flight).
+FUSED_WARPS_PER_SM = 16
+# At most this many persistent programs per SM (also capped by occupancy at launch).  More
+# than one lets a program's end-of-row reduction -- a barrier that drains its loads --
+# overlap the others' streaming ...
+FUSED_PROGRAMS_PER_SM = 4
+# ... but every program holds a row in flight, and pass 2 hits L2 only while (rows in flight)
+# x (bytes re-read per row) fits in L2 (50 MB on an H200, shared with the output stream,
+# whose stores are marked evict_first): fewer programs per SM for longer rows, down to
+# FUSED_MIN_PROGRAMS_PER_SM.  Below 1 (e.g. 0.5: one 32-warp program per two SMs) trades
+# SMs for L2 hits on the longest rows -- only worth it if half the SMs can still pull the
+# full bandwidth (loop stages help: their bytes in flight sit in shared memory).
+FUSED_L2_BUDGET_MB = 40
+FUSED_MIN_PROGRAMS_PER_SM = 1.0
+# Fused when n_rows >= this x SMs (every SM gets a whole row); fewer rows take the split
+# path so that all SMs still stream.
+FUSED_MIN_ROWS_PER_SM = 1.0
+# Split path: num_warps per chunk program, and chunk programs per SM to aim for (several
+# waves: a small tail).
+SPLIT_WARPS = 8
+SPLIT_PROGRAMS_PER_SM = 8
+MAX_SPLITS = 256
+# Cooperative path: rows longer than IN_REGISTER_MAX and up to COOPERATIVE_MAX (forward) /
+# COOP_BWD_MAX (backward) elements are cut into chunks, one chunk per program of COOP_WARPS
+# warps, held in registers from its read to its write.  Forward chunks are COOP_BLOCK
+# elements, 0 = 32 KB of input (16k bf16 / 8k fp32 elements: 32 words per thread at 8
+# warps, bf16 / fp16 held as pairs in int32 words); backward chunks COOP_BWD_BLOCK elements
+# (y and dy both held: 8192 measured above 4096 for bf16 64k, 0.86 of the copy rate against
+# 0.81, and equal elsewhere).  0 turns a path off.
+# Why the backward goes cooperative up to 256k (H200, M x N = 2^28, fraction of the copy
+# rate): bf16 64k / 256k / 1M 0.78 / 0.69 / 0.49 against the fused path's 0.74 / 0.56 /
+# 0.55; fp32 0.87 / 0.78 / 0.65 against 0.67 / 0.60 / 0.59.  The forward needs its input
+# held packed (COOP_PACK) to gain: holding fp32 values (63-106 registers, 2-4 programs per
+# SM) it measured bf16 0.67 / 0.64 / 0.48 against 0.76 / 0.63 / 0.60, because a chunk's
+# wait for its row's slowest chunk is hidden only by the other rows' resident chunks, so
+# the bytes held per SM are what counts.  All alternatives: docs/tuning.md, "Row softmax".
+COOPERATIVE_MAX = 4194304
+COOP_BWD_MAX = 262144
+# The forward takes the cooperative path only for rows of at least this many bytes: below,
+# the fused path's second read still hits L2 (bf16 64k, 128 KB rows: fused 0.72-0.76 of the
+# copy rate, cooperative 0.69-0.70; fp32 64k, 256 KB: fused 0.78-0.82, cooperative 0.84).
+COOP_FWD_MIN_BYTES = 262144
+COOP_BLOCK = 0
+COOP_BWD_BLOCK = 8192
+COOP_WARPS = 8
+# 1: hold unmasked contiguous 16-bit rows as pairs in int32 words; 0: one element a word.
+COOP_PACK = 1
+# Register cap (ptxas .maxnreg) for the cooperative kernels: 0 = none, except when a row's
+# chunks would not all be resident without it -- then 64 (4 programs of 8 warps per SM: a
+# 4M-element row fits on an H200's 132 SMs; masked variants spill ~100 B at this cap).
+# The forward's own cap, COOP_FWD_MAXNREG, overrides it for the forward: ptxas front-loads
+# the exp2 arguments (~125 registers for 32 packed words a thread), and 4 programs per SM
+# at 64 registers measured fastest despite ~100 B of spills (bf16 256k: 0.68 of the copy
+# rate against 0.60 uncapped; fp32, which does not spill at 64, 0.78 against 0.72).
+COOP_MAXNREG = 0
+COOP_FWD_MAXNREG = 64
+# L2 eviction hints on the streaming kernels (1) or none (0).
+EVICTION_HINTS = 1
+# num_stages of the streaming loops (tl.range); 0 = the compiler's default (no pipelining
+# of these loads).  2-3 turns them into cp.async copies through shared memory: more bytes
+# in flight per thread, without the eviction hints.
+LOOP_STAGES = 0
+
+TUNING_ENV = "FLASHTILE_SOFTMAX_TUNING"
+KNOBS = {
+    "in_register_max": "IN_REGISTER_MAX",
+    "register_warps": "REGISTER_WARPS",
+    "block": "STREAM_BLOCK",
+    "unroll": "STREAM_UNROLL",
+    "warps_per_sm": "FUSED_WARPS_PER_SM",
+    "programs_per_sm": "FUSED_PROGRAMS_PER_SM",
+    "l2_budget_mb": "FUSED_L2_BUDGET_MB",
+    "min_programs_per_sm": "FUSED_MIN_PROGRAMS_PER_SM",
+    "fused_min_rows_per_sm": "FUSED_MIN_ROWS_PER_SM",
+    "split_warps": "SPLIT_WARPS",
+    "split_programs_per_sm": "SPLIT_PROGRAMS_PER_SM",
+    "cooperative_max": "COOPERATIVE_MAX",
+    "coop_bwd_max": "COOP_BWD_MAX",
+    "coop_fwd_min_bytes": "COOP_FWD_MIN_BYTES",
+    "coop_pack": "COOP_PACK",
+    "coop_block": "COOP_BLOCK",
+    "coop_bwd_block": "COOP_BWD_BLOCK",
+    "coop_warps": "COOP_WARPS",
+    "coop_maxnreg": "COOP_MAXNREG",
+    "coop_fwd_maxnreg": "COOP_FWD_MAXNREG",
+    "evict": "EVICTION_HINTS",
+    "stages": "LOOP_STAGES",
+}
+_FLOAT_KNOBS = ("fused_min_rows_per_sm", "l2_budget_mb", "min_programs_per_sm", "programs_per_sm")
+
+
+def knobs() -> dict:
+    """The knobs in force: the module constants, overridden by ``FLASHTILE_SOFTMAX_TUNING``."""
+    current = {name: globals()[const] for name, const in KNOBS.items()}
+    current.update(parse_tuning(TUNING_ENV, os.environ.get(TUNING_ENV, ""), tuple(KNOBS), tuple(_FLOAT_KNOBS)))
+    return current
