@@ -15,8 +15,8 @@ Where flashtile's own API differs, this module translates:
 * ``unpad_input`` returns flash-attn 2.8's five values.
 
 Arguments flashtile does not implement yet raise ``NotImplementedError`` naming them when
-they are not ``None``: ``block_table`` of ``flash_attn_varlen_func``; ``rotary_cos``,
-``rotary_sin`` and ``cache_leftpad`` of ``flash_attn_with_kvcache``.
+they are not ``None``: ``block_table`` of ``flash_attn_varlen_func``; ``cache_leftpad`` of
+``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
@@ -139,18 +139,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (inference only; ``k_cache`` / ``v_cache`` updated in place when ``k``, ``v`` are given).
 
     Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse=True``.
-    ``rotary_cos``, ``rotary_sin`` and ``cache_leftpad`` raise ``NotImplementedError`` (for
-    now: apply :func:`apply_rotary_emb` to ``q`` and ``k`` before the call);
-    ``rotary_interleaved`` only matters with them.
+    ``rotary_cos`` / ``rotary_sin`` rotate ``q`` and the new ``k`` inside the call, as
+    flash-attn does (``rotary_interleaved`` picks the pairs); ``cache_leftpad`` raises
+    ``NotImplementedError``.
     """
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad)):
-        _not_implemented(name, value, "flash_attn_with_kvcache")
+    _not_implemented("cache_leftpad", cache_leftpad, "flash_attn_with_kvcache")
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
     return _kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
     )
 
 

@@ -81,6 +81,24 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table):
     v_cache[idx, rows] = v.to(v_cache.dtype)
 
 
+def _rotate(q, k, cos, sin, interleaved, cache_seqlens, local):
+    """(q, k) with the rotary embedding at their cache positions (see flash_attn_with_kvcache)."""
+    from flashtile.rotary import apply_rotary_emb
+
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(interleaved).__name__}")
+    if k is not None:
+        k = apply_rotary_emb(k, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens)
+    if local:
+        return apply_rotary_emb(q, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens), k
+    # Every query row at position cache_seqlens[b]: the rows become one position's heads.
+    batch, seqlen_q, nheads, d = q.shape
+    flat = q.reshape(batch, 1, seqlen_q * nheads, d)
+    return apply_rotary_emb(flat, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens).reshape(q.shape), k
+
+
 def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes):
     """Per sequence: gather its keys and run the tiled CPU path."""
     batch, seqlen_q, nheads, d = q.shape
@@ -121,6 +139,9 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_lse: bool = False,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = False,
 ):
     """Attention of a few new query rows against a KV cache, appending new keys/values first.
 
@@ -135,6 +156,13 @@ def flash_attn_with_kvcache(
             ``i * page_size ... (i + 1) * page_size - 1`` of sequence b.
         num_splits: split-KV chunks per (sequence, kv head) on a GPU; 0 picks from the shape
             and the SM count.  The result does not depend on it beyond rounding.
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``, given together: rotary
+            embedding (see :func:`flashtile.apply_rotary_emb`) applied inside the call -- the
+            new ``k`` row i at position ``cache_seqlens[b] + i`` before it is written (the
+            cache holds rotated keys), ``q`` row i at ``cache_seqlens[b] + i`` with ``causal``
+            or a window, else every ``q`` row at ``cache_seqlens[b]`` (flash-attn's rule).
+        rotary_interleaved: pairs ``(2k, 2k + 1)`` (GPT-J) instead of ``(k, k + rotary_dim / 2)``
+            (GPT-NeoX, the default here; flash-attn's own default is interleaved).
         Other arguments as in :func:`flashtile.flash_attn_func`.
 
     Returns:
@@ -163,6 +191,11 @@ def flash_attn_with_kvcache(
                                cache_rows=k_cache.shape[0])
     if seqlen_new == 0:
         k = v = None  # nothing to write: an empty append is no append
+    if rotary_cos is not None or rotary_sin is not None:
+        # Checked (apply_rotary_emb validates before computing) and computed before the
+        # append, so a bad table changes nothing in the cache.
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens,
+                       local=params.window_left >= 0 or params.window_right >= 0)
     # Decoding steps last microseconds: on a GPU without new keys, launch nothing but the kernels
     # (one int length for every sequence goes to the kernel as it is, no tensor is filled).
     if isinstance(cache_seqlens, int) and (k is not None or not q.is_cuda):

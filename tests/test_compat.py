@@ -147,14 +147,26 @@ def test_with_kvcache_return_softmax_lse_and_names():
     assert isinstance(out_only, torch.Tensor)
 
 
-@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_leftpad"])
-def test_with_kvcache_unimplemented_arguments_name_themselves(name):
+def test_with_kvcache_unimplemented_cache_leftpad_names_itself():
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache()
     before = k_cache.clone()
-    value = torch.zeros(2, dtype=torch.int32) if name == "cache_leftpad" else torch.ones(16, 4)
-    with pytest.raises(NotImplementedError, match=name):
-        compat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, **{name: value})
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        compat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                       cache_leftpad=torch.zeros(2, dtype=torch.int32))
     assert torch.equal(k_cache, before), "nothing is appended when the call is refused"
+
+
+def test_with_kvcache_rotary_defaults_to_interleaved_pairs_as_flash_attn():
+    q, k_cache, v_cache, k_new, v_new, seqlens = _cache()
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    g = torch.Generator().manual_seed(4)
+    angles = torch.rand(64, k_cache.shape[-1] // 4, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    out = compat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                         cache_seqlens=seqlens, causal=True)
+    want = flashtile.flash_attn_with_kvcache(q, k2, v2, k=k_new, v=v_new, cache_seqlens=seqlens, causal=True,
+                                             rotary_cos=cos, rotary_sin=sin, rotary_interleaved=True)
+    assert torch.equal(out, want) and torch.equal(k_cache, k2)
 
 
 def test_unpad_input_returns_five_values_and_pad_input_inverts_it():

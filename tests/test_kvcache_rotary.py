@@ -1,0 +1,125 @@
+"""Rotary embedding inside flash_attn_with_kvcache, against the float64 rotary and attention oracles.
+
+flash-attn's rule: the new ``k`` row i is rotated at position ``cache_seqlens[b] + i`` before
+it is written; ``q`` row i at ``cache_seqlens[b] + i`` with ``causal`` or a window, else
+every ``q`` row at ``cache_seqlens[b]``.  Without a GPU the CPU path runs; the ``gpu`` test
+runs the same cases through the Triton kernels.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_close_to_reference, reference_attention
+
+import flashtile
+from flashtile.reference.rotary import apply_rotary_naive
+
+SEQLENS = [3, 9]
+
+
+def _case(device, dtype, headdim, rotary_fraction, seqlen_q, seqlen_new, paged, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    batch, nheads, nheads_k, capacity = 2, 4, 2, 32
+    q = torch.randn(batch, seqlen_q, nheads, headdim, generator=g)
+    k_new = torch.randn(batch, seqlen_new, nheads_k, headdim, generator=g) if seqlen_new else None
+    v_new = torch.randn(batch, seqlen_new, nheads_k, headdim, generator=g) if seqlen_new else None
+    k_cache = torch.randn(batch, capacity, nheads_k, headdim, generator=g)
+    v_cache = torch.randn(batch, capacity, nheads_k, headdim, generator=g)
+    angles = torch.rand(64, int(headdim * rotary_fraction) // 2, generator=g) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    table = None
+    if paged:  # 8-row pages, sequence b's pages in reverse order
+        page = 8
+        pages = capacity // page
+        table = torch.tensor([[b * pages + (pages - 1 - i) for i in range(pages)] for b in range(batch)],
+                             dtype=torch.int32)
+        k_pages = torch.empty(batch * pages, page, nheads_k, headdim)
+        v_pages = torch.empty_like(k_pages)
+        for b in range(batch):
+            for i in range(pages):
+                k_pages[table[b, i]] = k_cache[b, i * page:(i + 1) * page]
+                v_pages[table[b, i]] = v_cache[b, i * page:(i + 1) * page]
+        k_store, v_store = k_pages, v_pages
+    else:
+        k_store, v_store = k_cache.clone(), v_cache.clone()
+    move = lambda t: t.to(device=device, dtype=dtype) if t is not None else None  # noqa: E731
+    return dict(q=move(q), k_new=move(k_new), v_new=move(v_new), k_cache=k_cache, v_cache=v_cache,
+                k_store=move(k_store), v_store=move(v_store), cos=cos.to(device), sin=sin.to(device),
+                table=table.to(device) if table is not None else None)
+
+
+def _check(device, dtype, interleaved, rotary_fraction, causal, window, seqlen_new, paged, floor):
+    headdim, seqlen_q = 16, 2
+    c = _case(device, dtype, headdim, rotary_fraction, seqlen_q, seqlen_new, paged)
+    seqlens = torch.tensor(SEQLENS, dtype=torch.int32, device=device)
+    out = flashtile.flash_attn_with_kvcache(
+        c["q"], c["k_store"], c["v_store"], k=c["k_new"], v=c["v_new"], cache_seqlens=seqlens,
+        block_table=c["table"], causal=causal, window_size=window, rotary_cos=c["cos"], rotary_sin=c["sin"],
+        rotary_interleaved=interleaved)
+    cos, sin = c["cos"].cpu().numpy(), c["sin"].cpu().numpy()
+    local = causal or window != (-1, -1)
+    q64 = c["q"].double().cpu().numpy()
+    for b, length in enumerate(SEQLENS):
+        if local:
+            q_rot = apply_rotary_naive(q64[b:b + 1], cos, sin, interleaved, length)
+        else:  # every query row at position cache_seqlens[b]
+            q_rot = np.concatenate([apply_rotary_naive(q64[b:b + 1, i:i + 1], cos, sin, interleaved, length)
+                                    for i in range(seqlen_q)], axis=1)
+        keys, values = c["k_cache"][b:b + 1, :length].double(), c["v_cache"][b:b + 1, :length].double()
+        if seqlen_new:
+            k_rot = apply_rotary_naive(c["k_new"][b:b + 1].double().cpu().numpy(), cos, sin, interleaved, length)
+            keys = torch.cat([keys, torch.from_numpy(k_rot)], dim=1)
+            values = torch.cat([values, c["v_new"][b:b + 1].double().cpu()], dim=1)
+            # The cache holds the rotated keys.
+            rows = torch.arange(length, length + seqlen_new)
+            if c["table"] is not None:
+                page = c["k_store"].shape[1]
+                stored = c["k_store"][c["table"][b, rows // page].long(), rows % page]
+            else:
+                stored = c["k_store"][b, rows]
+            torch.testing.assert_close(stored.double().cpu(), torch.from_numpy(k_rot[0]), rtol=0, atol=floor * 10)
+        kw = dict(causal=causal, window_size=window)
+        ref, _ = reference_attention(torch.from_numpy(q_rot), keys, values, **kw)
+        low, _ = reference_attention(torch.from_numpy(q_rot).to(dtype), keys.to(dtype), values.to(dtype),
+                                     upcast=False, **kw)
+        assert_close_to_reference(out[b:b + 1].cpu(), ref, low, f"out[{b}]", atol_floor=floor)
+
+
+CASES = [
+    # interleaved, rotary fraction, causal, window, seqlen_new, paged
+    (False, 1.0, True, (-1, -1), 2, False),
+    (True, 0.5, True, (-1, -1), 2, True),
+    (False, 0.5, False, (-1, -1), 2, False),  # non-causal: q rows share one position
+    (True, 1.0, False, (4, 1), 2, False),  # a window counts as local
+    (False, 1.0, True, (-1, -1), 0, True),  # no append: q rotated only
+    (True, 0.5, False, (-1, -1), 0, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "inter{}-frac{}-causal{}-w{}-new{}-paged{}".format(*c))
+def test_rotary_in_the_cache_call_matches_the_oracles_cpu(case):
+    _check("cpu", torch.float32, *case, floor=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "inter{}-frac{}-causal{}-w{}-new{}-paged{}".format(*c))
+def test_rotary_in_the_cache_call_matches_the_oracles_gpu(case):
+    _check("cuda", torch.bfloat16, *case, floor=1e-2)
+
+
+def test_rotary_needs_both_tables_and_a_bad_table_writes_nothing():
+    c = _case("cpu", torch.float32, 16, 1.0, 1, 1, False)
+    before = c["k_store"].clone()
+    seqlens = torch.tensor(SEQLENS, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin"):
+        flashtile.flash_attn_with_kvcache(c["q"], c["k_store"], c["v_store"], k=c["k_new"], v=c["v_new"],
+                                          cache_seqlens=seqlens, rotary_cos=c["cos"])
+    with pytest.raises(ValueError):
+        flashtile.flash_attn_with_kvcache(c["q"], c["k_store"], c["v_store"], k=c["k_new"], v=c["v_new"],
+                                          cache_seqlens=seqlens, rotary_cos=c["cos"][:, :3], rotary_sin=c["sin"])
+    with pytest.raises(TypeError, match="rotary_interleaved"):
+        flashtile.flash_attn_with_kvcache(c["q"], c["k_store"], c["v_store"], k=c["k_new"], v=c["v_new"],
+                                          cache_seqlens=seqlens, rotary_cos=c["cos"], rotary_sin=c["sin"],
+                                          rotary_interleaved=1)
+    assert torch.equal(c["k_store"], before), "a refused call appends nothing"
