@@ -66,7 +66,7 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
                 "stride_bt stride_ob stride_on stride_oh seqlen_q nheads_k group chunk num_splits seqlen_k_all capacity "
                 "cache_rows window_left window_right")
         sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "O_PART": "*fp32", "LSE_PART": "*fp32",
-               "SEQLENS_K": "*i32", "CACHE_BATCH_IDX": "*i32", "BLOCK_TABLE": "*i32", "ALIBI": "*fp32",
+               "SEQLENS_K": "*i32", "CACHE_BATCH_IDX": "*i32", "BLOCK_TABLE": "*i32", "LEFTPAD": "*i32", "ALIBI": "*fp32",
                "OUT": f"*{dtype}", "LSE": "*fp32",
                **{name: "i32" for name in ints.split()},
                "qk_scale": "fp32", "softcap_scale": "fp32", "softcap_log2": "fp32"}
@@ -74,7 +74,7 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
         consts = {"HAS_SEQLENS": True, "headdim": hd, "HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False,
                   "MASK_RIGHT": causal, "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "PAGED": kv_as_b,
                   "PAGE_SIZE": 16 if kv_as_b else 1, "HAS_BATCH_IDX": False, "DOT_PRECISION": "tf32", "PDL": True,
-                  "DIRECT": False}
+                  "DIRECT": False, "HAS_LEFTPAD": False}
     else:
         raise ValueError(f"kind must be fwd, dkdv, dq or decode, got {kind!r}")
     # The signature must list every parameter, in any order, constexprs included.

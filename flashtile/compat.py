@@ -15,8 +15,7 @@ Where flashtile's own API differs, this module translates:
 * ``unpad_input`` returns flash-attn 2.8's five values.
 
 Arguments flashtile does not implement yet raise ``NotImplementedError`` naming them when
-they are not ``None``: ``block_table`` of ``flash_attn_varlen_func``; ``cache_leftpad`` of
-``flash_attn_with_kvcache``.
+they are not ``None``: ``block_table`` of ``flash_attn_varlen_func``.
 """
 
 from __future__ import annotations
@@ -140,10 +139,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse=True``.
     ``rotary_cos`` / ``rotary_sin`` rotate ``q`` and the new ``k`` inside the call, as
-    flash-attn does (``rotary_interleaved`` picks the pairs); ``cache_leftpad`` raises
-    ``NotImplementedError``.
+    flash-attn does (``rotary_interleaved`` picks the pairs); ``cache_leftpad`` left-pads the
+    cache.
     """
-    _not_implemented("cache_leftpad", cache_leftpad, "flash_attn_with_kvcache")
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
     return _kvcache.flash_attn_with_kvcache(
@@ -151,6 +149,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=return_softmax_lse,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        cache_leftpad=cache_leftpad,
     )
 
 

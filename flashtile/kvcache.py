@@ -99,13 +99,15 @@ def _rotate(q, k, cos, sin, interleaved, cache_seqlens, local):
     return apply_rotary_emb(flat, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens).reshape(q.shape), k
 
 
-def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes):
-    """Per sequence: gather its keys and run the tiled CPU path."""
+def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes,
+                leftpad=None):
+    """Per sequence: gather its keys (from ``leftpad[b]`` on) and run the CPU path."""
     batch, seqlen_q, nheads, d = q.shape
     out = torch.zeros_like(q)
     lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
+    starts = leftpad.tolist() if leftpad is not None else [0] * batch
     for b, n in enumerate(seqlens_k.tolist()):
-        positions = torch.arange(n, device=q.device)[None, :]
+        positions = torch.arange(starts[b], n, device=q.device)[None, :]
         idx, rows = _physical_rows(positions, batch_rows[b:b + 1], None if block_table is None else block_table[b:b + 1],
                                    k_cache.shape[1])
         kb, vb = k_cache[idx[0], rows[0]][None], v_cache[idx[0], rows[0]][None]
@@ -116,11 +118,11 @@ def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, 
 
 
 def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
-                   alibi_slopes, num_splits):
+                   alibi_slopes, num_splits, leftpad=None):
     from flashtile.kernels.decode import decode
 
     return decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
-                  alibi_slopes, num_splits)
+                  alibi_slopes, num_splits, cache_leftpad=leftpad)
 
 
 def flash_attn_with_kvcache(
@@ -142,6 +144,7 @@ def flash_attn_with_kvcache(
     rotary_cos: torch.Tensor | None = None,
     rotary_sin: torch.Tensor | None = None,
     rotary_interleaved: bool = False,
+    cache_leftpad: torch.Tensor | None = None,
 ):
     """Attention of a few new query rows against a KV cache, appending new keys/values first.
 
@@ -163,6 +166,11 @@ def flash_attn_with_kvcache(
             or a window, else every ``q`` row at ``cache_seqlens[b]`` (flash-attn's rule).
         rotary_interleaved: pairs ``(2k, 2k + 1)`` (GPT-J) instead of ``(k, k + rotary_dim / 2)``
             (GPT-NeoX, the default here; flash-attn's own default is interleaved).
+        cache_leftpad: int32 ``(batch,)``: sequence b's keys start at cache position
+            ``cache_leftpad[b]`` (a left-padded cache): its keys are positions
+            ``cache_leftpad[b] <= j < cache_seqlens[b]`` (+ the appended ones), masks and ALiBi
+            are aligned as if they started at 0, and rotary positions count from there
+            (``cache_seqlens[b] - cache_leftpad[b] + i``).
         Other arguments as in :func:`flashtile.flash_attn_func`.
 
     Returns:
@@ -170,6 +178,8 @@ def flash_attn_with_kvcache(
     """
     _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
     batch = q.shape[0]
+    if cache_leftpad is not None:
+        check_index_tensor("cache_leftpad", cache_leftpad, q.device, (batch,), f"(batch={batch},)")
     # The common checks, without building (batch, ...) views of the cache: a decoding step
     # lasts microseconds on the GPU, so the host path is kept to what is needed.
     check_qkv_agree(q, k_cache, v_cache, "k_cache", "v_cache")
@@ -188,13 +198,14 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None:
         cache_seqlens = capacity if k is None else 0
     check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new=seqlen_new, capacity=capacity,
-                               cache_rows=k_cache.shape[0])
+                               cache_rows=k_cache.shape[0], cache_leftpad=cache_leftpad)
     if seqlen_new == 0:
         k = v = None  # nothing to write: an empty append is no append
     if rotary_cos is not None or rotary_sin is not None:
         # Checked (apply_rotary_emb validates before computing) and computed before the
         # append, so a bad table changes nothing in the cache.
-        q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens,
+        positions = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions,
                        local=params.window_left >= 0 or params.window_right >= 0)
     # Decoding steps last microseconds: on a GPU without new keys, launch nothing but the kernels
     # (one int length for every sequence goes to the kernel as it is, no tensor is filled).
@@ -219,9 +230,9 @@ def flash_attn_with_kvcache(
     if q.is_cuda:
         cbi = cache_batch_idx.to(torch.int32) if cache_batch_idx is not None else None
         bt = block_table.to(torch.int32) if paged else None
-        out, lse = _attend_triton(q, k_cache, v_cache, seqlens_k, cbi, bt, *args, num_splits)
+        out, lse = _attend_triton(q, k_cache, v_cache, seqlens_k, cbi, bt, *args, num_splits, leftpad=cache_leftpad)
     else:
         rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch)
         with torch.no_grad():
-            out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, rows, block_table, *args)
+            out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, rows, block_table, *args, leftpad=cache_leftpad)
     return (out, lse) if return_lse else out

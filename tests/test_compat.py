@@ -147,13 +147,15 @@ def test_with_kvcache_return_softmax_lse_and_names():
     assert isinstance(out_only, torch.Tensor)
 
 
-def test_with_kvcache_unimplemented_cache_leftpad_names_itself():
+def test_with_kvcache_cache_leftpad_passes_through():
     q, k_cache, v_cache, k_new, v_new, seqlens = _cache()
-    before = k_cache.clone()
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        compat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
-                                       cache_leftpad=torch.zeros(2, dtype=torch.int32))
-    assert torch.equal(k_cache, before), "nothing is appended when the call is refused"
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    pad = torch.tensor([1, 4], dtype=torch.int32)
+    out = compat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                         cache_leftpad=pad, causal=True)
+    want = flashtile.flash_attn_with_kvcache(q, k2, v2, k=k_new, v=v_new, cache_seqlens=seqlens, cache_leftpad=pad,
+                                             causal=True)
+    assert torch.equal(out, want) and torch.equal(k_cache, k2)
 
 
 def test_with_kvcache_rotary_defaults_to_interleaved_pairs_as_flash_attn():

@@ -110,7 +110,7 @@ def _cache_slots(keys, key_ok, cache_b, b, BLOCK_TABLE, stride_bt, num_blocks, P
 
 @triton.jit
 def _decode_split(
-    Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, ALIBI, stride_ab,
+    Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, LEFTPAD, ALIBI, stride_ab,
     OUT, LSE, stride_ob, stride_on, stride_oh,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
@@ -120,11 +120,15 @@ def _decode_split(
     BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, DIRECT: tl.constexpr,
+    PDL: tl.constexpr, DIRECT: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
 ):
     """One (sequence, KV head, split): the split's keys against every query row of the head's
     GQA group.  With ``DIRECT`` (one split) the program writes ``OUT`` / ``LSE`` itself;
-    otherwise it leaves a partial output and LSE for :func:`_combine_splits`."""
+    otherwise it leaves a partial output and LSE for :func:`_combine_splits`.
+
+    With ``HAS_LEFTPAD`` sequence b's keys start at cache position ``LEFTPAD[b]``: the kernel
+    works on key indices counted from there (masks and ALiBi aligned to them) and reads
+    position ``LEFTPAD[b] + j`` for key ``j``."""
     if PDL:
         # The combine kernel may be launched now; it waits for this grid's results itself.
         gdc_launch_dependents()
@@ -147,6 +151,10 @@ def _decode_split(
         cache_b = tl.where(row_exists, cache_b, 0)
     else:
         cache_b = b
+    key_base = 0
+    if HAS_LEFTPAD:
+        key_base = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), seqlen_k)
+        seqlen_k = seqlen_k - key_base
 
     # Rows of the tile: query positions of the heads of the group, BLOCK_M at a time.
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -175,8 +183,8 @@ def _decode_split(
     end = tl.minimum(start + chunk, seqlen_k)
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
-        idx, slot, key_ok = _cache_slots(keys, keys < seqlen_k, cache_b, b, BLOCK_TABLE, stride_bt, cache_rows,
-                                         PAGED, PAGE_SIZE)
+        idx, slot, key_ok = _cache_slots(keys + key_base, keys < seqlen_k, cache_b, b, BLOCK_TABLE, stride_bt,
+                                         cache_rows, PAGED, PAGE_SIZE)
         k_rows = idx * stride_kb + slot * stride_kn
         v_rows = idx * stride_vb + slot * stride_vn
         kv_mask = key_ok[:, None] & d_ok[None, :]
@@ -360,7 +368,7 @@ def launch_config(batch: int, nheads_k: int, capacity: int, device: torch.device
 
 
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
-           softcap, alibi_slopes, num_splits):
+           softcap, alibi_slopes, num_splits, cache_leftpad=None):
     """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
 
     ``seqlens_k``: int32 ``(batch,)`` valid cache lengths, or one int for every sequence (no
@@ -374,6 +382,7 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     # columns at stride 1): strided views are copied first.
     seqlens_k = seqlens_k.contiguous() if isinstance(seqlens_k, torch.Tensor) else seqlens_k
     cache_batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
+    cache_leftpad = cache_leftpad.contiguous() if cache_leftpad is not None else None
     block_table = block_table if block_table is None or block_table.stride(1) == 1 else block_table.contiguous()
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
@@ -400,8 +409,8 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     _decode_split[(batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))](
         q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
-        block_table if paged else placeholder, mods["alibi"], mods["stride_ab"],
-        out, lse, out.stride(0), out.stride(1), out.stride(2),
+        block_table if paged else placeholder, cache_leftpad if cache_leftpad is not None else placeholder,
+        mods["alibi"], mods["stride_ab"], out, lse, out.stride(0), out.stride(1), out.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -412,7 +421,7 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
-        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct,
+        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, HAS_LEFTPAD=cache_leftpad is not None,
         num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
     )
     if not direct:

@@ -334,7 +334,7 @@ def check_kvcache_cache_layout(name: str, cache: torch.Tensor) -> None:
 
 
 def check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, *, seqlen_new: int, capacity: int,
-                               cache_rows: int) -> None:
+                               cache_rows: int, cache_leftpad=None) -> None:
     """The values of ``flash_attn_with_kvcache``'s index inputs, when readable (one
     device-to-host copy for all of them on a GPU; see ``values_readable``).
 
@@ -342,25 +342,30 @@ def check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, *, s
     ``0 <= cache_batch_idx[b] < cache_rows`` and, with an append, no row twice; the pages of
     ``block_table`` that hold a sequence's keys (after the append) in ``[0, cache_rows)``, and
     with an append every page that receives new keys held by that one sequence at one block
-    (else another sequence, or another block of the same one, would read them).
+    (else another sequence, or another block of the same one, would read them);
+    ``0 <= cache_leftpad[b] <= cache_seqlens[b]``.
     ``cache_seqlens`` may be a Python int (checked for free)."""
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
             raise ValueError(_seqlen_message(f"cache_seqlens ({cache_seqlens})", cache_seqlens, seqlen_new, capacity))
-        if cache_batch_idx is None and block_table is None:
+        if cache_batch_idx is None and block_table is None and cache_leftpad is None:
             return
-    tensors = [t for t in (cache_seqlens, cache_batch_idx, block_table) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, block_table, cache_leftpad) if isinstance(t, torch.Tensor)]
     if not values_readable(*tensors):
         return
-    lens, rows, table = to_host(cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
-                                cache_batch_idx, block_table)
-    batch = (rows if rows is not None else table if table is not None else lens).shape[0]
+    lens, rows, table, pads = to_host(cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+                                      cache_batch_idx, block_table, cache_leftpad)
+    batch = next(t for t in (rows, table, lens, pads) if t is not None).shape[0]
     if lens is None:
         lens = torch.full((batch,), cache_seqlens, dtype=torch.int64)
     else:
         for b in (lens < 0).nonzero().flatten().tolist() + (lens + seqlen_new > capacity).nonzero().flatten().tolist():
             raise ValueError(_seqlen_message(f"cache_seqlens[{b}] = {int(lens[b])}", int(lens[b]), seqlen_new,
                                              capacity))
+    if pads is not None:
+        for b in ((pads < 0) | (pads > lens)).nonzero().flatten().tolist():
+            raise ValueError(f"cache_leftpad[{b}] = {int(pads[b])} must be in [0, cache_seqlens[{b}] = {int(lens[b])}]: "
+                             f"a sequence's keys start at cache_leftpad and end at cache_seqlens")
     if rows is not None:
         for b in ((rows < 0) | (rows >= cache_rows)).nonzero().flatten().tolist():
             raise ValueError(f"cache_batch_idx[{b}] = {int(rows[b])} is not a row of the cache: it must be in "
