@@ -26,6 +26,8 @@ COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left
           "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32",
           "dropout_p": "fp32", "seed": "i64", "rng_offset": "i64", "rng_cols": "i32"}
 VARLEN = False
+PAGED = False  # fwd: K/V gathered from a paged cache (varlen only)
+PAGE_SIZE = 16
 
 
 def _desc(rows: int, hd: int, dtype: str) -> str:
@@ -41,10 +43,13 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
              "HAS_DROPOUT": dropout}
     if kind == "fwd":
         fn = ka._attn_fwd
+        # paged_kv: (K_CACHE, V_CACHE, BLOCK_TABLE, num_blocks, max_blocks, headdim, 6 strides).
+        paged_kv = (f"*{dtype}", f"*{dtype}", "*i32") + ("i32",) * 9 if PAGED else ("*fp32",) * 3 + ("i32",) * 9
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
+               "paged_kv": paged_kv, "stride_bt": "i32",
                "O_desc": _desc(bm, hd, dtype), "O": f"*{dtype}", "LSE": "*fp32", **COMMON, "nheads": "i32",
                "group": "i32", "max_seqlen_q": "i32"}
-        consts = dict(masks, WARP_SPECIALIZE=False)
+        consts = dict(masks, WARP_SPECIALIZE=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE if PAGED else 1)
     elif kind == "dkdv":
         fn = ka._attn_bwd_dkdv
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
@@ -99,9 +104,12 @@ def main():
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")
     ap.add_argument("--dropout", action="store_true")
+    ap.add_argument("--paged", type=int, default=0, metavar="PAGE_SIZE",
+                    help="fwd: K/V gathered from a paged cache with this page size (implies --varlen)")
     args = ap.parse_args()
-    global VARLEN
-    VARLEN = args.varlen
+    global VARLEN, PAGED, PAGE_SIZE
+    VARLEN = args.varlen or args.paged > 0
+    PAGED, PAGE_SIZE = args.paged > 0, max(args.paged, 1)
     for tiles, hd, causal, kvb, sc, al in itertools.product(args.tiles, args.headdim, args.causal, args.kv_as_b,
                                                            args.softcap, args.alibi):
         bm, bn, w, s = map(int, tiles.split(","))

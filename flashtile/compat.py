@@ -14,8 +14,8 @@ Where flashtile's own API differs, this module translates:
 * ``flash_attn_with_kvcache(..., return_softmax_lse=True)`` returns ``(out, softmax_lse)``.
 * ``unpad_input`` returns flash-attn 2.8's five values.
 
-Arguments flashtile does not implement yet raise ``NotImplementedError`` naming them when
-they are not ``None``: ``block_table`` of ``flash_attn_varlen_func``.
+Every argument of these functions is implemented (the paged ``block_table`` of
+``flash_attn_varlen_func`` in the forward only, as in flash-attn).
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ def _check_flag(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _not_implemented(name, value, where):
-    if value is not None:
-        raise NotImplementedError(f"{name} is not implemented in flashtile's {where} yet; pass {name}=None")
-
-
 def _with_probs(result, return_attn_probs):
     if return_attn_probs:
         out, lse = result
@@ -75,12 +70,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn's ``flash_attn_varlen_func``: :func:`flashtile.flash_attn_varlen_func`; with
     ``return_attn_probs=True`` returns ``(out, softmax_lse, None)`` (no ``S_dmask``).
-    ``block_table`` (paged K/V) raises ``NotImplementedError``."""
-    _not_implemented("block_table", block_table, "flash_attn_varlen_func")
+    ``block_table``: paged ``k`` / ``v`` (forward only)."""
     _check_flag("return_attn_probs", return_attn_probs)
     result = _interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                               deterministic, return_attn_probs)
+                                               deterministic, return_attn_probs, block_table=block_table)
     return _with_probs(result, return_attn_probs)
 
 

@@ -465,8 +465,12 @@ def _varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k):
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
-                             softcap=0.0, alibi_slopes=None, dropout=None, max_seqlen_q=None, max_seqlen_k=None):
-    """Packed ``(total, nheads, d)`` forward; LSE ``(nheads, total_q)``."""
+                             softcap=0.0, alibi_slopes=None, dropout=None, max_seqlen_q=None, max_seqlen_k=None,
+                             block_table=None):
+    """Packed ``(total, nheads, d)`` forward; LSE ``(nheads, total_q)``.  With ``block_table``,
+    k / v are ``(num_blocks, page_size, nheads_k, d)`` pages, gathered into packed rows first."""
+    if block_table is not None:
+        k, v = _gather_pages(k, block_table, cu_seqlens_k), _gather_pages(v, block_table, cu_seqlens_k)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_compute_dtype(q.dtype), device=q.device)
     for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
@@ -478,6 +482,17 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
+
+
+def _gather_pages(cache, block_table, cu_seqlens_k):
+    """Paged ``(num_blocks, page_size, h, d)`` keys -> packed ``(total_k, h, d)`` rows in
+    cu_seqlens_k's order (sequence b's key j: page ``block_table[b, j // page_size]``)."""
+    page_size = cache.shape[1]
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    rows = [block_table[b, torch.arange(n) // page_size].long() * page_size + torch.arange(n) % page_size
+            for b, n in enumerate(lens)]
+    flat = cache.reshape(-1, *cache.shape[2:])
+    return flat[torch.cat(rows)] if rows else flat[:0]
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,

@@ -6,7 +6,14 @@ import torch
 
 from flashtile.dropout import counters_per_row, next_seed_offset
 from flashtile.ops import attention as _ops
-from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens, check_cu_seqlens_values
+from flashtile.ops.validation import (
+    check_attention_inputs,
+    check_cu_seqlens,
+    check_cu_seqlens_values,
+    check_kvcache_index_values,
+    check_paged_kv,
+    kvcache_capacity,
+)
 
 
 def flash_attn_func(
@@ -90,6 +97,7 @@ def flash_attn_varlen_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
+    block_table: torch.Tensor | None = None,
 ):
     """Attention over a packed batch of sequences of different lengths.
 
@@ -99,6 +107,11 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` prefix sums: sequence ``b`` is
             rows ``cu_seqlens[b] : cu_seqlens[b + 1]``; a sequence may be empty.
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        block_table: int32 ``(batch, max_blocks)`` for keys and values in a paged cache
+            (chunked prefill against a KV cache): ``k``, ``v`` are then
+            ``(num_blocks, page_size, nheads_k, headdim)`` pages, sequence ``b``'s key ``j``
+            is row ``j % page_size`` of page ``block_table[b, j // page_size]``, and
+            ``cu_seqlens_k`` gives the key lengths.  Forward only (inference).
         The other arguments mean what they mean for :func:`flash_attn_func`, per sequence
         (causal / window masks are aligned to each sequence's bottom right).
 
@@ -117,12 +130,20 @@ def flash_attn_varlen_func(
                                q.device, max_seqlen_k, "max_seqlen_k", values=False)
     if batch_k != batch:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    k_rows = k, v  # what the packed-input checks see
+    if block_table is not None:
+        check_paged_kv(q, k, v, block_table, batch)
+        k_rows = k[:, 0], v[:, 0]  # (num_blocks, nheads_k, headdim): one row per page, for the shared checks
     params = check_attention_inputs(
-        q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        q, *k_rows, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, packed=True, packed_batch=batch,
     )
     check_cu_seqlens_values(("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
-                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k"))
+                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0] if block_table is None else None, max_seqlen_k,
+                             "max_seqlen_k"))
+    if block_table is not None:
+        check_kvcache_index_values(cu_seqlens_k[1:] - cu_seqlens_k[:-1], None, block_table, seqlen_new=0,
+                                   capacity=kvcache_capacity(k, block_table), cache_rows=k.shape[0])
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     seed, offset = 0, 0
@@ -131,6 +152,6 @@ def flash_attn_varlen_func(
     out, lse = _ops.varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params.softmax_scale,
         params.window_left, params.window_right, params.softcap, alibi_slopes, params.dropout_p, seed, offset,
-        params.deterministic,
+        params.deterministic, block_table,
     )
     return (out, lse) if return_lse else out

@@ -91,8 +91,13 @@ def test_varlen_return_conventions_and_block_table():
     out, lse, s_dmask = compat.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, return_attn_probs=True)
     assert s_dmask is None and lse.shape == (2, 10)
     assert torch.equal(out, compat.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6))
-    with pytest.raises(NotImplementedError, match="block_table"):
-        compat.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    # Paged keys: sequence 0's 4 keys in page 0, sequence 1's 6 in page 1 and half of page 2.
+    junk = torch.full((2, 2, 8), 7.0)
+    k_pages = torch.stack([k[0:4], k[4:8], torch.cat([k[8:10], junk])])
+    v_pages = torch.stack([v[0:4], v[4:8], torch.cat([v[8:10], junk])])
+    table = torch.tensor([[0, 0], [1, 2]], dtype=torch.int32)
+    paged = compat.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 6, 6, block_table=table, causal=True)
+    assert torch.equal(paged, compat.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True))
 
 
 def test_packed_return_conventions():

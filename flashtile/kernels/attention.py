@@ -88,18 +88,48 @@ def _store_tile(desc, ptr, b, row, h, tile, row_end, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(desc, paged_kv, which: tl.constexpr, b, row, hk, start_n, bt_row, seqlen_k,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Key (``which`` = 0) or value (1) tile of keys ``[start_n, start_n + BLOCK_N)``.
+
+    From the TMA descriptor, or -- with ``PAGED`` -- gathered row by row from a paged cache
+    ``(num_blocks, PAGE_SIZE, heads_k, d)`` through the sequence's block-table row:
+    ``paged_kv = (K_CACHE, V_CACHE, BLOCK_TABLE, num_blocks, max_blocks, headdim, stride_kb,
+    stride_kn, stride_kh, stride_vb, stride_vn, stride_vh)``.  Keys at or past ``seqlen_k`` or
+    past the block-table row, and pages outside ``[0, num_blocks)``, read as zeros (the host
+    checks the values where it can; nothing is read out of bounds where it cannot).
+    """
+    if PAGED:
+        cache = paged_kv[which]
+        stride_b = paged_kv[6 + 3 * which]
+        stride_n = paged_kv[7 + 3 * which]
+        stride_h = paged_kv[8 + 3 * which]
+        keys = start_n + tl.arange(0, BLOCK_N)
+        col = keys // PAGE_SIZE
+        ok = (keys < seqlen_k) & (col < paged_kv[4])
+        page = tl.load(paged_kv[2] + bt_row + col, mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < paged_kv[3])
+        rows = tl.where(ok, page, 0).to(tl.int64) * stride_b + (keys % PAGE_SIZE).to(tl.int64) * stride_n
+        cols = tl.arange(0, HEAD_DIM)
+        return tl.load(cache + rows[:, None] + hk * stride_h + cols[None, :],
+                       mask=ok[:, None] & (cols < paged_kv[5])[None, :], other=0.0)
+    return desc.load([b, row, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+
+
+@triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, start, end,
+    acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, start, end,
     seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
     dropout_p, seed, rng_offset, rng_row, rng_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = K_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        k = _kv_tile(K_desc, paged_kv, 0, b, k_start + start_n, hk, start_n, bt_row, seqlen_k,
+                     BLOCK_N, HEAD_DIM, PAGED, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if HAS_SOFTCAP or HAS_ALIBI:
@@ -122,7 +152,8 @@ def _fwd_tiles(
         if HAS_DROPOUT:
             p = p * dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
                                   HAS_DROPOUT)
-        v = V_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        v = _kv_tile(V_desc, paged_kv, 1, b, k_start + start_n, hk, start_n, bt_row, seqlen_k,
+                     BLOCK_N, HEAD_DIM, PAGED, PAGE_SIZE)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
@@ -131,12 +162,13 @@ def _fwd_tiles(
 
 @triton.jit
 def _attn_fwd(
-    Q_desc, K_desc, V_desc, O_desc, O, LSE, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
+    Q_desc, K_desc, V_desc, paged_kv, stride_bt, O_desc, O, LSE, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, qk_scale, window_left, window_right,
     softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     pid_m, bh = tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
     b = bh // nheads
@@ -145,6 +177,7 @@ def _attn_fwd(
     m0 = pid_m * BLOCK_M
     slope_log2 = alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    bt_row = b.to(tl.int64) * stride_bt  # this sequence's block-table row (PAGED)
     if VARLEN:
         if m0 >= seqlen_q:  # the grid covers the longest sequence
             return
@@ -160,24 +193,27 @@ def _attn_fwd(
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, lo, full_lo,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, lo, full_lo,
                                    seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                    softcap_scale, softcap_log2, slope_log2,
                                    dropout_p, seed, rng_offset, lse_row, rng_cols,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, full_lo, full_hi,
+                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION,
+                                   PAGED, PAGE_SIZE)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, full_lo, full_hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, b, hk, m0, k_start, full_hi, hi,
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION,
+                                   PAGED, PAGE_SIZE)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, full_hi, hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION)
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION,
+                                   PAGED, PAGE_SIZE)
 
     # Deferred normalisation: one reciprocal per row.  A row with no visible key has
     # l = 0: its output is 0 and its LSE -inf, never NaN.
@@ -475,15 +511,21 @@ class Layout:
     docstring for what keeps sequences apart).
     """
 
-    def __init__(self, q, k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    def __init__(self, q, k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                 block_table=None):
         self.varlen = cu_seqlens_q is not None
         self.nheads, self.nheads_k = q.shape[-2], k.shape[-2]
+        # Paged K/V (packed queries only): k, v are (num_blocks, page_size, heads_k, d) pages
+        # that block_table maps each sequence's keys to; cu_seqlens_k gives the lengths.
+        self.block_table = block_table
         if self.varlen:
             self.batch = cu_seqlens_q.numel() - 1
             self.seqlen_q, self.seqlen_k = max_seqlen_q, max_seqlen_k  # grid extent; kernels read the rest
             # What the kernels' seqlen arguments carry for a packed batch: the row counts that
-            # bound every cu_seqlens value (see sequence_bounds).
-            self.rows_q, self.rows_k = q.shape[0], k.shape[0]
+            # bound every cu_seqlens value (see sequence_bounds).  Paged keys have no packed
+            # rows: their lengths are bounded by each sequence's pages instead (see _kv_tile).
+            self.rows_q = q.shape[0]
+            self.rows_k = k.shape[0] if block_table is None else 2**31 - 1
             # The kernels read cu_seqlens[b] at offset b: a strided view is copied first.
             self.cu_q, self.cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
             self.lse_shape = (self.nheads, q.shape[0])
@@ -524,21 +566,33 @@ def _unpad(x, d):
 
 
 def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes, dropout):
-    if config is None and forward_engine(q, k, dropout, softcap, alibi_slopes) == "gluon":
+    if config is None and forward_engine(q, k, dropout, softcap, alibi_slopes,
+                                         paged=layout.block_table is not None) == "gluon":
         from flashtile.kernels.hopper import attention_fwd
 
         return attention_fwd.forward(layout, q, k, v, softmax_scale, window_left, window_right)
     d = q.shape[-1]
     hd = padded_headdim(d)
     cfg = config or fwd_config(hd, q.dtype, window_right >= 0)
-    q_, k_, v_ = layout.prepare(q), layout.prepare(k), layout.prepare(v)
+    q_ = layout.prepare(q)
     out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
     grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
     mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
     drop = _dropout_args(dropout)
+    table = layout.block_table
+    if table is None:
+        k_desc = layout.tiles(layout.prepare(k), cfg.block_n, hd)
+        v_desc = layout.tiles(layout.prepare(v), cfg.block_n, hd)
+        paged_kv, stride_bt, page_size = (lse, lse, lse, 0, 0, 0, 0, 0, 0, 0, 0, 0), 0, 1
+    else:
+        # Gathered through the block table, not TMA: the key descriptors are never read.
+        k_desc = v_desc = layout.tiles(q_, cfg.block_n, hd)
+        table = table if table.stride(1) == 1 else table.contiguous()
+        paged_kv = (k, v, table, k.shape[0], table.shape[1], d, *k.stride()[:3], *v.stride()[:3])
+        stride_bt, page_size = table.stride(0), k.shape[1]
     _attn_fwd[grid](
-        layout.tiles(q_, cfg.block_m, hd), layout.tiles(k_, cfg.block_n, hd), layout.tiles(v_, cfg.block_n, hd),
+        layout.tiles(q_, cfg.block_m, hd), k_desc, v_desc, paged_kv, stride_bt,
         layout.tiles(out_, cfg.block_m, hd), out_, lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
         softmax_scale * LOG2E, window_left, window_right,
@@ -549,6 +603,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"],
         VARLEN=layout.varlen,
         WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=dot_precision(q.dtype),
+        PAGED=table is not None, PAGE_SIZE=page_size,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _unpad(out_, d), lse
@@ -632,12 +687,15 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, w
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
                              softcap=0.0, alibi_slopes=None, max_seqlen_q=None, max_seqlen_k=None, config=None,
-                             dropout=None):
+                             dropout=None, block_table=None):
     """Packed forward: q ``(total_q, h, d)``, k/v ``(total_k, hk, d)`` -> (out, lse ``(h, total_q)``).
 
     One launch for the whole batch; ``max_seqlen_*`` size the grid (computed with a host sync
-    when not given)."""
-    layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    when not given).  With ``block_table`` int32 ``(batch, max_blocks)``, k / v are a paged
+    cache ``(num_blocks, page_size, hk, d)`` and sequence b's key j sits in page
+    ``block_table[b, j // page_size]``, row ``j % page_size``."""
+    layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                    block_table=block_table)
     return _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
                     dropout)
 

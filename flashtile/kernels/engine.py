@@ -4,7 +4,8 @@ Two engines compute the same attention on CUDA tensors:
 
 * ``gluon`` -- the Hopper kernels of ``flashtile/kernels/hopper/`` (warp-specialised,
   asynchronous wgmma), where they cover the call and are the faster engine: an sm_90 GPU,
-  Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout, softcap or ALiBi -- and
+  Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout, softcap, ALiBi or paged
+  keys -- and
   ``auto`` sends it head dims 65-256 only: at 64 and below the two engines measured within
   run-to-run noise of each other on an H200, the ``tl.*`` one ahead at N = 1k (Gluon 364 /
   446 / 462 against ``tl.*`` 394 / 415 / 414 TFLOP/s at N = 1k / 4k / 16k; docs/tuning.md);
@@ -55,7 +56,8 @@ def gluon_device_reason(device_index: int) -> str | None:
     return None
 
 
-def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes) -> str | None:
+def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes,
+                         paged: bool = False) -> str | None:
     """Why the Gluon forward cannot take this call, or None when it can."""
     if not q.is_cuda:
         return "the tensors are not on a CUDA device"
@@ -69,6 +71,8 @@ def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: flo
         return f"head dim {q.shape[-1]} (the Gluon forward takes {lo}-{hi})"
     if k.dim() == 4 and k.shape[1] == 0:
         return "no keys (a TMA descriptor needs a non-empty tensor)"
+    if paged:
+        return "paged keys and values (block_table)"
     if dropout is not None:
         return "dropout"
     if softcap > 0:
@@ -78,12 +82,13 @@ def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: flo
     return None
 
 
-def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None) -> str:
+def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
+                   paged: bool = False) -> str:
     """``"gluon"`` or ``"triton"`` for an attention forward on ``q``'s device."""
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
-    reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes)
+    reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes, paged)
     if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_AUTO_MIN_HEADDIM):
         return "gluon"
     if wanted == "gluon":

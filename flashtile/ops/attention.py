@@ -144,17 +144,19 @@ def varlen_attention_forward(
     seed: int,
     offset: int,
     deterministic: bool,
+    block_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # block_table: k, v are (num_blocks, page_size, nheads_k, d) pages (forward only).
     return _backend(q).varlen_attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, seed, offset),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
     )
 
 
 @varlen_attention_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-      softcap, alibi_slopes, dropout_p, seed, offset, deterministic):
+      softcap, alibi_slopes, dropout_p, seed, offset, deterministic, block_table=None):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype))
@@ -198,8 +200,9 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-     dropout_p, seed, offset, deterministic) = inputs
+     dropout_p, seed, offset, deterministic, block_table) = inputs
     out, lse = output
+    ctx.paged = block_table is not None
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
     ctx.args = (max_q, max_k, softmax_scale, window_left, window_right, softcap)
     ctx.rng = (dropout_p, seed, offset)
@@ -207,11 +210,13 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, dout, dlse):
+    if ctx.paged:
+        raise NotImplementedError("block_table: attention over paged keys and values is forward only")
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = varlen_attention_backward(
         dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.args, alibi_slopes, *ctx.rng, ctx.deterministic,
     )
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 14
 
 
 varlen_attention_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -296,23 +296,42 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, device, max_seqlen, max_
 
 def check_cu_seqlens_values(*specs) -> None:
     """Each ``(name, cu_seqlens, total, max_seqlen, max_name)``: 0 first, non-decreasing, the
-    packed length ``total`` last, no sequence longer than ``max_seqlen`` -- when the values
-    are readable (one device-to-host copy for all of them on a GPU)."""
+    packed length ``total`` last (``None``: no packed tensor, e.g. paged keys), no sequence
+    longer than ``max_seqlen`` -- when the values are readable (one device-to-host copy for
+    all of them on a GPU)."""
     if not values_readable(*(spec[1] for spec in specs)):
         return
     for (name, _, total, max_seqlen, max_name), cu in zip(specs, to_host(*(spec[1] for spec in specs))):
         lens = cu[1:] - cu[:-1]
         bad = (lens < 0).nonzero()
-        if int(cu[0]) != 0 or bad.numel() or int(cu[-1]) != total:
+        if int(cu[0]) != 0 or bad.numel() or (total is not None and int(cu[-1]) != total):
             where = (f"{name}[0] = {int(cu[0])}" if int(cu[0]) != 0 else
                      f"{name}[{int(bad[0]) + 1}] = {int(cu[int(bad[0]) + 1])} < {name}[{int(bad[0])}] = "
                      f"{int(cu[int(bad[0])])}" if bad.numel() else f"{name}[-1] = {int(cu[-1])}")
-            raise ValueError(f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
-                             f"got {where} ({cu.tolist()})")
+            end = f" and end at the packed length {total}" if total is not None else ""
+            raise ValueError(f"{name} must start at 0, be non-decreasing{end}; got {where} ({cu.tolist()})")
         longest = int(lens.max())
         if longest > max_seqlen:
             raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence "
                              f"({longest}, sequence {int(lens.argmax())})")
+
+
+def check_paged_kv(q, k, v, block_table, batch: int) -> None:
+    """Paged keys and values for packed queries: ``k``, ``v`` ``(num_blocks, page_size,
+    nheads_k, headdim)`` alike, ``block_table`` an int32 ``(batch, max_blocks)`` index tensor on
+    q's device, and no gradient asked of anything (the paged forward has no backward)."""
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(name, t, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must be paged alike with block_table, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] == 0 or k.shape[1] == 0:
+        raise ValueError(f"k must hold at least one page of at least one row with block_table, got {tuple(k.shape)}")
+    check_index_tensor("block_table", block_table, q.device, (batch, None), f"(batch={batch}, max_blocks)")
+    if block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have at least one column (block), got shape {tuple(block_table.shape)}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("block_table: attention over paged keys and values is forward only (inference); "
+                                  "call it under torch.no_grad() or on tensors that do not require grad")
 
 
 def kvcache_capacity(k_cache: torch.Tensor, block_table) -> int:
