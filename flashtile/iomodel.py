@@ -1,5 +1,9 @@
 """How many bytes attention moves between HBM and the chip, predicted kernel by kernel.
 
+(One module over 600 lines on purpose: one model -- the byte count of every kernel of both
+implementations, the tile table it reads them with, and the report that sets them against
+Nsight Compute's counters -- which only makes sense read together.)
+
 Two implementations are modelled, each as the list of kernels it launches:
 
 * **naive** attention, the ``softmax(q kᵀ · scale) v`` of PyTorch ops that

@@ -1,5 +1,8 @@
 """CPU attention benchmark: flashtile's tiled path against naive attention and PyTorch SDPA.
 
+(One module over 600 lines on purpose: the one CPU benchmark -- timing, peak memory in a
+fresh interpreter, the sweep against SDPA, its table and plot.)
+
 For each sequence length N it times the forward (and, up to ``bwd_max_seqlen``, forward +
 backward) of
 

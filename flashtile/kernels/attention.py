@@ -1,5 +1,10 @@
 """FlashAttention forward and backward in Triton (Hopper first, any CUDA GPU, and the interpreter).
 
+(One module over 600 lines on purpose: the forward, the three backward passes and their
+launchers share one ``Layout``, one set of tile configurations and one argument bundle; the
+pieces every kernel family shares live in ``tile_info``, ``online_softmax``, ``masking`` and
+``tma``.)
+
 Forward: one program per (query tile, batch * head).  The query tile stays in registers;
 key/value tiles stream through shared memory by TMA (tensor descriptors), scores go
 through the tensor cores, and the softmax is kept *online*: a running row max ``m``, a
