@@ -1,7 +1,7 @@
 """FlashAttention forward and backward in Triton (Hopper first, any CUDA GPU, and the interpreter).
 
 (One module over 600 lines on purpose: the forward, the three backward passes and their
-launchers share one ``Layout``, one set of tile configurations and one argument bundle; the
+launchers share one ``Layout``, one set of tile configurations and one argument list; the
 pieces every kernel family shares live in ``tile_info``, ``online_softmax``, ``masking`` and
 ``tma``.)
 
