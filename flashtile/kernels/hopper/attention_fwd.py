@@ -1,12 +1,14 @@
 """FlashAttention forward for Hopper in Gluon: a TMA producer warp and two consumer warpgroups.
 
-One program computes a ``BLOCK_M = 128``-row query tile of one (batch, head), split between
+A work item is a ``BLOCK_M = 128``-row query tile of one (batch, head); with a persistent
+grid each program runs its items in turn (dealt round-robin, see ``_tile``), split between
 three partitions that share shared memory and talk through mbarriers:
 
-* **producer** (1 warp, few registers): TMA-loads the query tile once, then streams the
-  key and value tiles through a ``NUM_STAGES``-deep ring of shared-memory slots.  Each slot
-  has a *ready* barrier (TMA completion, byte-counted) and an *empty* barrier (both consumers
-  have finished reading it).
+* **producer** (1 warp, few registers): per item, TMA-loads the query tile once its buffer
+  is free, then streams the key and value tiles through a ``NUM_STAGES``-deep ring of
+  shared-memory slots that runs on across items.  Each slot has a *ready* barrier (TMA
+  completion, byte-counted) and an *empty* barrier (both consumers have finished reading
+  it), and so has the query buffer.
 * **two consumers** (one warpgroup each, most of the registers): each owns 64 of the 128
   query rows and keeps its running softmax state -- row max ``m``, row sum ``l`` and the
   un-normalised fp32 accumulator -- in registers.  Per key tile ``j`` a consumer issues
