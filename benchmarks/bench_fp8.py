@@ -47,10 +47,10 @@ CHECK_LIMIT = 0.05  # relative RMS vs bf16; FP8 itself is ~0.02 at these shapes
 
 
 def parse_tiles(text: str):
-    from flashtile.kernels.attention import _Config
+    from flashtile.kernels.runtime import TileConfig
 
     bm, bn, warps, stages, *maxnreg = (int(x) for x in text.split(","))
-    return _Config(bm, bn, warps, stages, maxnreg=maxnreg[0] if maxnreg else 0)
+    return TileConfig(bm, bn, warps, stages, maxnreg=maxnreg[0] if maxnreg else 0)
 
 
 def _tiles_label(cfg) -> str:

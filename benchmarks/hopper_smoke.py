@@ -11,7 +11,7 @@ from flashtile.kernels.hopper import attention_fwd as hopper
 for d, n, causal in [(128, 256, False), (128, 1000, True), (64, 1000, False), (256, 777, True)]:
     q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     t = time.time()
-    out, lse = hopper.forward(ka._Layout(q, k), q, k, v, d ** -0.5, -1, 0 if causal else -1)
+    out, lse = hopper.forward(ka.Layout(q, k), q, k, v, d ** -0.5, -1, 0 if causal else -1)
     torch.cuda.synchronize()
     ref = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
                                          is_causal=causal).transpose(1, 2)

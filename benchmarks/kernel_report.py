@@ -49,14 +49,14 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
                "paged_kv": paged_kv, "stride_bt": "i32",
                "O_desc": _desc(bm, hd, dtype), "O": f"*{dtype}", "LSE": "*fp32", **COMMON, "nheads": "i32",
                "group": "i32", "max_seqlen_q": "i32"}
-        consts = dict(masks, WARP_SPECIALIZE=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE if PAGED else 1)
+        consts = dict(masks, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE if PAGED else 1)
     elif kind == "dkdv":
         fn = ka._attn_bwd_dkdv
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "DO_desc": _desc(bm, hd, dtype), "DK_desc": _desc(bn, hd, dtype), "DV_desc": _desc(bn, hd, dtype),
                "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32",
                "group": "i32", "softmax_scale": "fp32", "max_seqlen_k": "i32"}
-        consts = dict(masks, KV_AS_B=kv_as_b)
+        consts = masks
     elif kind == "dq":
         fn = ka._attn_bwd_dq
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),

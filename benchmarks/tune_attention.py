@@ -60,10 +60,10 @@ def main():
             if args.fwd:
                 best = None
                 tiles = [(64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (64, 32, 4)]
-                for (bm, bn, w), s, ws in itertools.product(tiles, (2, 3, 4), (False,)):
+                for (bm, bn, w), s in itertools.product(tiles, (2, 3, 4)):
                     if hd == 256 and bn > 64:
                         continue
-                    cfg = TileConfig(bm, bn, w, s, ws)
+                    cfg = TileConfig(bm, bn, w, s)
                     try:
                         fn = lambda: ka.attention_forward(q, k, v, d ** -0.5, -1, right, config=cfg)
                         fn()

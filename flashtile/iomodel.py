@@ -11,7 +11,7 @@ Two implementations are modelled, each as the list of kernels it launches:
   written by the first GEMM, read and written by every element-wise op, upcast to fp32
   for the softmax), and its autograd backward;
 * **flashtile**'s Triton kernels with their real tile sizes (taken from
-  ``flashtile.kernels.attention``'s ``_fwd_config`` / ``_bwd_config``), counting every
+  ``flashtile.kernels.attention``'s ``fwd_config`` / ``bwd_config``), counting every
   tile load the kernels issue: the forward reads each query tile once and the whole K/V
   stream once per query tile; the backward runs the preprocess (D = rowsum(dO ∘ O)), the
   dK/dV kernel (K/V resident, Q/dO/LSE/D streamed once per key tile and per query head of
@@ -259,7 +259,7 @@ def _padded_headdim(headdim: int) -> int:
 
 
 def builtin_kernel_tiles(headdim: int, causal: bool = False, *, interpreter: bool = False) -> KernelTiles:
-    """The tiles of ``flashtile.kernels.attention``'s ``_fwd_config`` / ``_bwd_config`` as plain
+    """The tiles of ``flashtile.kernels.attention``'s ``fwd_config`` / ``bwd_config`` as plain
     Python, for machines without Triton (where the kernels cannot be imported).
 
     tests/test_iomodel.py checks that this table and the config functions agree for every

@@ -140,14 +140,13 @@ class _NanEmpty:
 
 @needs_kernels
 @pytest.mark.parametrize(
-    "causal,window,softcap,alibi,dropout,kv_as_b",
-    [(False, (-1, -1), 0.0, False, 0.0, False),
-     (False, (-1, -1), 0.0, False, 0.0, True),
-     (True, (-1, -1), 2.0, True, 0.0, False),
-     (False, (3, 2), 0.0, False, 0.2, True)],
-    ids=["full", "full-kv_as_b", "causal-softcap-alibi", "window-dropout-kv_as_b"],
+    "causal,window,softcap,alibi,dropout",
+    [(False, (-1, -1), 0.0, False, 0.0),
+     (True, (-1, -1), 2.0, True, 0.0),
+     (False, (3, 2), 0.0, False, 0.2)],
+    ids=["full", "causal-softcap-alibi", "window-dropout"],
 )
-def test_varlen_kernels_keep_sequences_apart(causal, window, softcap, alibi, dropout, kv_as_b, monkeypatch):
+def test_varlen_kernels_keep_sequences_apart(causal, window, softcap, alibi, dropout, monkeypatch):
     """The packed kernels read tiles across sequence boundaries; only masks keep sequences apart.
 
     V and dO of neighbouring sequences differ 1000x in magnitude, so one key, query or
@@ -157,8 +156,6 @@ def test_varlen_kernels_keep_sequences_apart(causal, window, softcap, alibi, dro
     """
     from flashtile import cpu
     from flashtile.kernels import attention as ka
-    from flashtile.kernels.runtime import TileConfig
-    from flashtile.kernels.tma import padded_headdim
 
     lens_q, lens_k = [5, 19, 0, 1, 12, 3], [7, 33, 3, 2, 9, 4]
     scales = [1.0, 1000.0, 1.0, 1000.0, 1.0, 1000.0]
@@ -179,13 +176,10 @@ def test_varlen_kernels_keep_sequences_apart(causal, window, softcap, alibi, dro
     left, right = window[0], 0 if causal else window[1]
     kw = dict(softcap=softcap, alibi_slopes=slopes, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
               dropout=(dropout, 11, 0) if dropout else None)
-    cfg_kv, cfg_q = ka.bwd_config(padded_headdim(24), q.dtype, right >= 0)
-    cfg_kv = TileConfig(cfg_kv.block_m, cfg_kv.block_n, cfg_kv.num_warps, cfg_kv.num_stages, kv_as_b=kv_as_b)
 
     monkeypatch.setattr(ka, "torch", _NanEmpty())
     out, lse = ka.varlen_attention_forward(q, k, v, cu_q, cu_k, 0.3, left, right, **kw)
-    grads = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.3, left, right,
-                                         configs=(cfg_kv, cfg_q), **kw)
+    grads = ka.varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 0.3, left, right, **kw)
 
     # The CPU path runs each sequence on its own slice: nothing crosses a boundary there.
     q64, k64, v64, do64 = (t.cpu().double() for t in (q, k, v, dout))

@@ -129,10 +129,10 @@ def _fwd_tiles(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(start, end, BLOCK_N):
         k = _kv_tile(K_desc, paged_kv, 0, b, k_start + start_n, hk, start_n, bt_row, seqlen_k,
                      BLOCK_N, HEAD_DIM, PAGED, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -172,7 +172,7 @@ def _attn_fwd(
     softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     pid_m, bh = tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
@@ -203,21 +203,21 @@ def _attn_fwd(
                                    softcap_scale, softcap_log2, slope_log2,
                                    dropout_p, seed, rng_offset, lse_row, rng_cols,
                                    BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION,
+                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
                                    PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, full_lo, full_hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION,
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
                                    PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, full_hi, hi,
                                seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                softcap_scale, softcap_log2, slope_log2,
                                dropout_p, seed, rng_offset, lse_row, rng_cols,
                                BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WARP_SPECIALIZE, DOT_PRECISION,
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
                                    PAGED, PAGE_SIZE)
 
     # Deferred normalisation: one reciprocal per row.  A row with no visible key has
@@ -278,15 +278,13 @@ def _dkdv_tiles(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate one query run's contribution to dK, dV of the resident key tile.
 
-    Two orientations of the same math.  ``KV_AS_B=False`` scores the transposed tile
-    (keys x queries) with K, V as the left (A) operand, so P^T and dS^T feed the dV/dK
-    products directly -- but the compiler then holds K and V in registers next to the two
-    fp32 accumulators.  ``KV_AS_B=True`` scores (queries x keys) with K, V as the right (B)
-    operand, which stays in shared memory, and transposes P and dS instead.
+    Scores the transposed tile (keys x queries) with K, V as the left (A) operand, so P^T
+    and dS^T feed the dV / dK products directly (the other orientation -- K and V as the
+    right operand, P and dS transposed -- spilled more in the offline register report).
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     for m0 in range(start, end, BLOCK_M):
@@ -297,28 +295,16 @@ def _dkdv_tiles(
         lse2 = tl.load(LSE2 + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
         do = DO_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
-        if KV_AS_B:
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            p, tanh = recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
-                                   qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-                                   MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            drop = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                                 HAS_DROPOUT)
-            dv = tl.dot(tl.trans((p * drop).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
-        else:
-            qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            pT, tanhT = recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
-                                     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
-                                     slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            dropT = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                                  HAS_DROPOUT, KEYS_FIRST=True)
-            dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dsT = softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
-            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        pT, tanhT = recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
+                                 qk_scale, window_left, window_right, softcap_scale, softcap_log2,
+                                 slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        dropT = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+                              HAS_DROPOUT, KEYS_FIRST=True)
+        dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -330,7 +316,7 @@ def _attn_bwd_dkdv(
     softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AS_B: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n, bhk = tile_and_head(max_seqlen_k, BLOCK_N, False)
     b = bhk // nheads_k
@@ -359,18 +345,18 @@ def _attn_bwd_dkdv(
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_lo, full_hi,
                              seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                              softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                              BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         if MASK_LEFT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_hi, hi,
                                  seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                                  softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, KV_AS_B)
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     _store_tile(DV_desc, DV, b, k_start + n0, hk, dv, k_start + seqlen_k, VARLEN)
     dk = dk * softmax_scale
     _store_tile(DK_desc, DK, b, k_start + n0, hk, dk, k_start + seqlen_k, VARLEN)
@@ -607,7 +593,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"],
         VARLEN=layout.varlen,
-        WARP_SPECIALIZE=cfg.warp_specialize, DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         PAGED=table is not None, PAGE_SIZE=page_size,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -657,7 +643,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         layout.rows_q, layout.rows_k, layout.seqlen_k, nheads_k, group,
         softmax_scale * LOG2E, softmax_scale, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], *rng,
-        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, KV_AS_B=cfg_kv.kv_as_b, **common,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
         num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
     _attn_bwd_dq[(cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](

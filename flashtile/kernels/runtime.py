@@ -65,12 +65,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 class TileConfig:
     """One tile configuration; small enough to read at a glance."""
 
-    def __init__(self, block_m, block_n, num_warps, num_stages, warp_specialize=False, kv_as_b=False, maxnreg=0):
+    def __init__(self, block_m, block_n, num_warps, num_stages, maxnreg=0):
         self.block_m, self.block_n = block_m, block_n
         self.num_warps, self.num_stages = num_warps, num_stages
-        self.warp_specialize = warp_specialize
-        self.kv_as_b = kv_as_b  # dK/dV kernel only: which operand K, V are (see _dkdv_tiles)
-        self.maxnreg = maxnreg  # ptxas register cap, 0 = none (FP8 forward only)
+        self.maxnreg = maxnreg  # ptxas register cap, 0 = none (FP8 forward tile sweeps)
 
     def launch_options(self) -> dict:
         """The launch keywords of this configuration (``num_warps``, ``num_stages``, ``maxnreg``)."""
@@ -81,4 +79,4 @@ class TileConfig:
 
     def __repr__(self):
         return (f"TileConfig(BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, warps={self.num_warps}, "
-                f"stages={self.num_stages}, ws={self.warp_specialize}, kv_as_b={self.kv_as_b}, maxnreg={self.maxnreg})")
+                f"stages={self.num_stages}, maxnreg={self.maxnreg})")

@@ -283,7 +283,6 @@ def test_plan_choices():
     assert ks.plan(1, 1)["BLOCK_N"] >= 1
     with pytest.raises(ValueError, match="strategy"):
         ks.plan(4, 100, strategy="bogus")
-    assert ks.plan(3, 100, strategy="online")["strategy"] == "split"  # the former name
     for n in (1, 17, 200, 1000, 4097):
         for block in (16, 64):
             for unroll in (1, 2, 4):

@@ -21,7 +21,6 @@ from flashtile.kernels.softmax.tuning import MAX_SPLITS, knobs
 
 
 STRATEGIES = ("registers", "cooperative", "fused", "split")
-_ALIASES = {"online": "split"}  # the split path's former name
 
 
 def _floor_pow2(v: float) -> float:
@@ -56,7 +55,6 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
     override the knobs, for tests and tuning.
     """
     k = knobs()
-    strategy = _ALIASES.get(strategy, strategy)
     sms = _sms()
     if backward:
         cooperative = n_cols <= k["coop_bwd_max"]
