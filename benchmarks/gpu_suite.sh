@@ -2,7 +2,7 @@
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
 #   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests attention softmax softmax_tests tune_softmax
-#                                                 features decode decode_host decode_iam
+#                                                 hopper parity_tests features decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -37,6 +37,14 @@ for part in $parts; do
     strided_tests) run strided_tests 120 python3 -m pytest tests/test_kvcache.py tests/kernels/test_attention_kernels.py \
                      -q -p no:cacheprovider -p no:warnings -k "strided or views or non_contiguous" ;;
     kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
+    hopper) run hopper_tests 240 python3 -m pytest tests/kernels/hopper tests/kernels/test_engine.py -q \
+              -p no:cacheprovider -p no:warnings
+            run hopper_consan 200 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py
+            run hopper_ab 240 python3 benchmarks/bench_hopper.py --headdims 128 64 256 --seqlens 1024 4096 16384 \
+              --out "$RES/hopper_fwd.jsonl" ;;
+    parity_tests) run parity_tests 240 python3 -m pytest tests/test_kvcache_rotary.py tests/test_kvcache_leftpad.py \
+                    tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
+                    -q -p no:cacheprovider -p no:warnings ;;  # unmarked kernel tests run on CUDA too
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
