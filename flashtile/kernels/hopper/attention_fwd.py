@@ -20,7 +20,9 @@ three partitions that share shared memory and talk through mbarriers:
 
 The masking rules are flashtile's: ``key_tiles`` decides which key tiles a query tile
 visits and which of them need an element-wise mask, ``band_mask`` decides visibility inside
-those (both in ``flashtile/kernels/masking.py``, shared with the ``tl.*`` kernels).
+those (both in ``flashtile/kernels/masking.py``), and ``sequence_bounds`` finds a packed
+sequence's rows (``flashtile/kernels/tile_info.py``) -- the same ``tl.*`` helpers the
+portable kernels call.
 Scores carry the scale folded into ``exp2``; normalisation happens once at the end; a row
 with no visible key gets output 0 and LSE ``-inf``.  The LSE (natural log, fp32) is the one
 the ``tl.*`` backward reads.
@@ -44,6 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, sm_count
+from flashtile.kernels.tile_info import sequence_bounds
 from flashtile.kernels.tma import padded_headdim
 
 LOG2E = 1.4426950408889634
@@ -76,17 +79,8 @@ def _tile(t, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, gr
     b = bh // nheads
     h = bh % nheads
     m0 = tile * BLOCK_M
-    q_start = 0
-    k_start = 0
-    if VARLEN:
-        # seqlen_q / seqlen_k carry the packed row counts: cu_seqlens are clamped into them
-        # (unchecked on the host under graph capture), so no value reads or writes outside.
-        q_start = gl.minimum(gl.maximum(gl.load(CU_Q + b), 0), seqlen_q)
-        q_end = gl.minimum(gl.maximum(gl.load(CU_Q + b + 1), q_start), seqlen_q)
-        k_start = gl.minimum(gl.maximum(gl.load(CU_K + b), 0), seqlen_k)
-        k_end = gl.minimum(gl.maximum(gl.load(CU_K + b + 1), k_start), seqlen_k)
-        seqlen_q = q_end - q_start
-        seqlen_k = k_end - k_start
+    # Packed: seqlen_q / seqlen_k carry the row counts that cu_seqlens are clamped into.
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
