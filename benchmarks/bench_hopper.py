@@ -24,22 +24,9 @@ import torch
 import triton
 
 from flashtile.bench.common import environment
+from flashtile.bench.gpu import impl_fn
 from flashtile.kernels import attention as ka
 from flashtile.kernels.hopper import attention_fwd as hopper
-
-
-def _sdpa(backend, causal):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    b = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}[backend]
-
-    def run(q, k, v):
-        with sdpa_kernel([b]):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal).transpose(1, 2)
-
-    return run
 
 
 def _gluon(cfg, causal):
@@ -91,8 +78,8 @@ def main():
                 for text in args.configs:
                     impls[f"gluon[{text}]"] = _gluon(parse_config(text), causal)
                 for peer in args.peers:
-                    impls[peer] = _triton(causal) if peer == "triton" else _sdpa(peer, causal)
-                ref = _sdpa("sdpa_cudnn", causal)(q, k, v).float()
+                    impls[peer] = _triton(causal) if peer == "triton" else impl_fn(peer, causal, d)
+                ref = impl_fn("sdpa_cudnn", causal, d)(q, k, v).float()
                 flops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
                 row = {}
                 for name, fn in impls.items():

@@ -5,7 +5,7 @@ Triton compiles for an explicit target on any machine, and its wheel carries ``p
 tensor-core rate -- can be read here, before spending device time.  Example::
 
     python benchmarks/kernel_report.py dkdv --tiles 64,128,8,2 32,128,8,2 --headdim 128 --causal 0 1
-    python benchmarks/kernel_report.py decode --tiles 16,128,4,3 --causal 0 --kv-as-b 0 1
+    python benchmarks/kernel_report.py decode --tiles 16,128,4,3 --causal 0 --paged-cache 0 1
 
 prints, per configuration, ptxas's register count and spill bytes and the number of
 ``HGMMA`` (wgmma) and local-memory (``LDL``/``STL``) instructions in the SASS
@@ -36,7 +36,7 @@ def _desc(rows: int, hd: int, dtype: str) -> str:
 
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
-                   kv_as_b: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
+                   paged_cache: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
                    dropout: bool = False):
     masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
              "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN,
@@ -77,8 +77,8 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
                "qk_scale": "fp32", "softcap_scale": "fp32", "softcap_log2": "fp32"}
         # BLOCK_M: the GQA group (8 query heads) of one query row, padded to 16.
         consts = {"HAS_SEQLENS": True, "headdim": hd, "HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False,
-                  "MASK_RIGHT": causal, "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "PAGED": kv_as_b,
-                  "PAGE_SIZE": 16 if kv_as_b else 1, "HAS_BATCH_IDX": False, "DOT_PRECISION": "tf32", "PDL": True,
+                  "MASK_RIGHT": causal, "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "PAGED": paged_cache,
+                  "PAGE_SIZE": 16 if paged_cache else 1, "HAS_BATCH_IDX": False, "DOT_PRECISION": "tf32", "PDL": True,
                   "DIRECT": False, "HAS_LEFTPAD": False}
     else:
         raise ValueError(f"kind must be fwd, dkdv, dq or decode, got {kind!r}")
@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--tiles", nargs="+", default=["64,128,8,2"], help="BLOCK_M,BLOCK_N,warps,stages")
     ap.add_argument("--headdim", type=int, nargs="+", default=[128])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--kv-as-b", type=int, nargs="+", default=[0], help="(decode: a paged cache)")
+    ap.add_argument("--paged-cache", type=int, nargs="+", default=[0], help="decode: 1 = a paged cache (16-row pages)")
     ap.add_argument("--softcap", type=int, nargs="+", default=[0])
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")
@@ -110,12 +110,12 @@ def main():
     global VARLEN, PAGED, PAGE_SIZE
     VARLEN = args.varlen or args.paged > 0
     PAGED, PAGE_SIZE = args.paged > 0, max(args.paged, 1)
-    for tiles, hd, causal, kvb, sc, al in itertools.product(args.tiles, args.headdim, args.causal, args.kv_as_b,
+    for tiles, hd, causal, kvb, sc, al in itertools.product(args.tiles, args.headdim, args.causal, args.paged_cache,
                                                            args.softcap, args.alibi):
         bm, bn, w, s = map(int, tiles.split(","))
         k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al),
                            dropout=args.dropout)
-        print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} kv_as_b={kvb} "
+        print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} paged_cache={kvb} "
               f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)}: {report(k)}", flush=True)
 
 

@@ -73,9 +73,9 @@ def _attention_fn(impl: str, causal: bool, headdim: int):
     (the model's naive_forward_io follows its naive one)."""
     if impl not in DEFAULT_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(DEFAULT_IMPLS)}, got {impl!r}")
-    from flashtile.bench.gpu import _impl_fn
+    from flashtile.bench.gpu import impl_fn
 
-    return _impl_fn(impl, causal, headdim)
+    return impl_fn(impl, causal, headdim)
 
 
 def _run_case(case: dict, marker, progress: dict) -> None:

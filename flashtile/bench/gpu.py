@@ -41,8 +41,9 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode) ->
     return f * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
 
 
-def _impl_fn(impl: str, causal: bool, headdim: int):
-    """Return ``f(q, k, v) -> out`` taking flash-attn layout (b, n, h, d) tensors."""
+def impl_fn(impl: str, causal: bool, headdim: int):
+    """Return ``f(q, k, v) -> out`` taking flash-attn layout (b, n, h, d) tensors (``impl`` one of
+    ``ALL_IMPLS``; also used by the Hopper A/B and the IO measurement scripts)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -141,7 +142,7 @@ def _engine_field(impl, q, k) -> dict:
 
 def peak_extra_memory(impl, causal, batch, seqlen, nheads, headdim, dtype=torch.bfloat16) -> int:
     """Peak bytes allocated beyond q, k, v and dout during one forward + backward."""
-    fn = _impl_fn(impl, causal, headdim)
+    fn = impl_fn(impl, causal, headdim)
     q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
     fn(q, k, v).backward(dout)  # warm-up / compile outside the measurement
@@ -195,7 +196,7 @@ def run_gpu_benchmark(
             continue
         key = (impl, causal, headdim)
         if key not in fns:
-            fns[key] = _impl_fn(impl, causal, headdim)
+            fns[key] = impl_fn(impl, causal, headdim)
         gen = torch.Generator(device="cuda").manual_seed(seqlen)
         q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
         try:
