@@ -152,6 +152,10 @@ def _run_cases(rank, world, tmp, cases):
         if failures:
             raise AssertionError(f"rank {rank}: {len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures))
     finally:
+        # Every rank past its last transfer before any tears its process group down: a rank
+        # that destroyed it while a peer's gloo thread still served a pair aborted the process
+        # ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
 
 
