@@ -13,7 +13,7 @@ import torch
 
 from flashtile import cpu
 from flashtile.ops.validation import (
-    _check_tensor,
+    check_tensor,
     check_alibi_slopes,
     check_attention_scalars,
     check_index_tensor,
@@ -27,17 +27,17 @@ from flashtile.ops.validation import (
 def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
     """Types, shapes, dtypes and devices (the index *values* are checked separately, by
     ``check_kvcache_index_values``, once the cache capacity is known)."""
-    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or (num_blocks, page_size, nheads_k, headdim)")
-    _check_tensor("v_cache", v_cache, 4, "like k_cache")
+    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or (num_blocks, page_size, nheads_k, headdim)")
+    check_tensor("v_cache", v_cache, 4, "like k_cache")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     batch = q.shape[0]
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both be None")
     if k is not None:
-        _check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
-        _check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
         if k.device != q.device or v.device != q.device:
             raise ValueError(f"k and v must be on q's device ({q.device}), got {k.device} and {v.device}")
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:

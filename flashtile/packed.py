@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from flashtile.interface import flash_attn_func, flash_attn_varlen_func
-from flashtile.ops.validation import _check_tensor
+from flashtile.ops.validation import check_tensor
 
 
 def _unpack(name: str, packed, rank: int, count: int, layout: str):
-    _check_tensor(name, packed, rank, layout)
+    check_tensor(name, packed, rank, layout)
     if packed.shape[-3] != count:
         raise ValueError(f"{name} must have shape {layout} (size {count} in dimension {rank - 3}), "
                          f"got {tuple(packed.shape)}")

@@ -49,7 +49,7 @@ def check_dtype(name: str, dtype: torch.dtype, device_type: str) -> None:
                      f"got {dtype}")
 
 
-def _check_tensor(name: str, t, rank: int, layout: str) -> None:
+def check_tensor(name: str, t, rank: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
     if t.dim() != rank:
@@ -144,9 +144,9 @@ def check_attention_inputs(
     rank = 3 if packed else 4
     layout_q = "(total_q, nheads, headdim)" if packed else "(batch, seqlen_q, nheads, headdim)"
     layout_k = "(total_k, nheads_k, headdim)" if packed else "(batch, seqlen_k, nheads_k, headdim)"
-    _check_tensor("q", q, rank, layout_q)
-    _check_tensor("k", k, rank, layout_k)
-    _check_tensor("v", v, rank, layout_k)
+    check_tensor("q", q, rank, layout_q)
+    check_tensor("k", k, rank, layout_k)
+    check_tensor("v", v, rank, layout_k)
     if not packed and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
             f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
@@ -321,7 +321,7 @@ def check_paged_kv(q, k, v, block_table, batch: int) -> None:
     nheads_k, headdim)`` alike, ``block_table`` an int32 ``(batch, max_blocks)`` index tensor on
     q's device, and no gradient asked of anything (the paged forward has no backward)."""
     for name, t in (("k", k), ("v", v)):
-        _check_tensor(name, t, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+        check_tensor(name, t, 4, "(num_blocks, page_size, nheads_k, headdim) with block_table")
     if k.shape != v.shape:
         raise ValueError(f"k and v must be paged alike with block_table, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] == 0 or k.shape[1] == 0:
