@@ -1,4 +1,4 @@
-"""The ``flashtile`` command: ``flashtile info``, ``flashtile bench`` and ``flashtile iomodel``.
+"""The ``flashtile`` command: ``flashtile info``, ``bench``, ``iomodel`` and ``knobs``.
 
     flashtile --version
     flashtile info                      versions, devices, and which backend will run
@@ -6,7 +6,8 @@
                     [--batch B] [--nheads H] [--causal] [--compare LIST] [--quick]
     flashtile iomodel [--seqlens N ...] [--headdim D] [--batch B] [--nheads H] [--nheads-k HK]
                     [--causal] [--dtype bf16|fp16|fp32] [--figure2]
-                                        predicted HBM bytes, naive vs flashtile (flashtile/iomodel.py)
+                                        predicted HBM bytes, naive vs flashtile (flashtile/analysis/)
+    flashtile knobs [--markdown]        the kernels' launch knobs: defaults, values in force, variables
 
 ``python -m flashtile ...`` is the same.  Results go to ``--out DIR``, by default to a
 per-user folder (:func:`flashtile.bench.common.default_out_dir`), never into a checkout.
@@ -214,6 +215,33 @@ def cmd_iomodel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_knobs(args: argparse.Namespace) -> int:
+    try:
+        from flashtile.kernels.runtime import all_knobs, knobs_table
+
+        families = all_knobs()
+        current = {family.name: family.current() for family in families}
+    except ImportError as e:
+        print(f"flashtile knobs: the kernels cannot be imported here ({e})", file=sys.stderr)
+        return 1
+    except ValueError as e:  # a malformed override in the environment
+        print(f"flashtile knobs: {e}", file=sys.stderr)
+        return 2
+    if args.markdown:
+        print(knobs_table(families))
+        return 0
+    for family in families:
+        print(f"{family.name}: {family.env_var}={os.environ.get(family.env_var, '')!r}")
+        rows = []
+        for name, knob in family.knobs.items():
+            value = current[family.name][name]
+            rows.append((name, f"{value}" if value == knob.default else f"{value} (default {knob.default})", knob.doc))
+        width = [max(len(row[i]) for row in rows) for i in (0, 1)]
+        for name, shown, doc in rows:
+            print(f"  {name:<{width[0]}}  {shown:<{width[1]}}  {doc}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -252,7 +280,7 @@ class _Given(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flashtile", description="IO-aware exact attention: info and benchmarks.")
     parser.add_argument("--version", action="version", version=f"flashtile {_own_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,bench,iomodel}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench,iomodel,knobs}")
 
     p_info = sub.add_parser("info", help="print versions, devices and the backend flash_attn_func will use")
     p_info.set_defaults(func=cmd_info)
@@ -301,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_io.add_argument("--figure2", action="store_true",
                       help="also print the FlashAttention paper's Figure 2 comparison (GPT-2 medium on an A100)")
     p_io.set_defaults(func=cmd_iomodel)
+
+    p_knobs = sub.add_parser(
+        "knobs",
+        help="the kernels' launch knobs: defaults, the values in force, the environment variables that set them",
+    )
+    p_knobs.add_argument("--markdown", action="store_true", help="the README's table of every knob")
+    p_knobs.set_defaults(func=cmd_knobs)
     return parser
 
 

@@ -20,8 +20,6 @@ own CUDA dropout does.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -69,11 +67,11 @@ def philox_uniform(seed: int, counters: torch.Tensor) -> torch.Tensor:
 
 
 KEYS_PER_BLOCK = 32  # keys sharing one group of 4 Philox calls (8 keys per call)
-# Philox rounds of the dropout mask: 10 (Random123's default, the safety margin over the 7
-# that already pass BigCrush).  FLASHTILE_PHILOX_ROUNDS=7 trades that margin for speed (H200,
-# d = 128, N = 4k, dropout 0.1, forward + backward: 8.46 -> 7.72 ms; docs/tuning.md); the
-# kernels and the CPU path read the same value at import, so their masks still agree.
-PHILOX_ROUNDS = int(os.environ.get("FLASHTILE_PHILOX_ROUNDS", "10"))
+# Philox rounds of the dropout mask: 10, Random123's default, a safety margin over the 7 that
+# already pass BigCrush (7 would save 9 % of forward + backward at d = 128, N = 4k,
+# dropout 0.1; docs/tuning.md).  The kernels read this constant too, so their masks and the
+# CPU path's agree.
+PHILOX_ROUNDS = 10
 
 
 def counters_per_row(row_length: int) -> int:

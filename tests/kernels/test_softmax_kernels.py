@@ -655,18 +655,15 @@ def test_cooperative_forward_packing_choice():
 @pytest.mark.parametrize("path", ["cooperative", "fused", "split"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_public_api_through_streaming_paths(monkeypatch, log, path):
-    """With IN_REGISTER_MAX lowered the op's default plan holds rows in chunk programs
-    (cooperative) or, with that path off, streams (fused, or split when FUSED_MIN_ROWS_PER_SM
+    """With ``in_register_max`` lowered the op's default plan holds rows in chunk programs
+    (cooperative) or, with that path off, streams (fused, or split when ``fused_min_rows_per_sm``
     asks for more rows than there are): the autograd wiring, dims, strides (a transposed
     view, a sliced one) and masks go through it too."""
-    monkeypatch.setattr(ktune, "IN_REGISTER_MAX", 64)
-    if path == "cooperative":
-        monkeypatch.setattr(ktune, "COOPERATIVE_MAX", 1000)
-        monkeypatch.setattr(ktune, "COOP_FWD_MIN_BYTES", 0)
-    else:
-        monkeypatch.setattr(ktune, "COOP_BWD_MAX", 0)
-    if path == "split":
-        monkeypatch.setattr(ktune, "FUSED_MIN_ROWS_PER_SM", 10**6)
+    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=64," + {
+        "cooperative": "cooperative_max=1000,coop_fwd_min_bytes=0",
+        "fused": "coop_bwd_max=0",
+        "split": "coop_bwd_max=0,fused_min_rows_per_sm=1000000",
+    }[path])
     p = ks.plan(2, 130)
     assert p["strategy"] == path and (path == "fused" or p["splits"] > 1 or not INTERPRET)
     base = randn(130, 2, seed=11)

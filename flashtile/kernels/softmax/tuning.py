@@ -1,17 +1,15 @@
 """Launch knobs of the row softmax: where each strategy takes over, and each one's launch shape.
 
-Every knob is a constant of this module that ``plan()`` reads at call time through
-``knobs()``; the environment variable ``FLASHTILE_SOFTMAX_TUNING="name=value,..."`` (names
-as in ``KNOBS``, e.g. ``unroll=2,programs_per_sm=1``) overrides them without editing code,
-and ``benchmarks/tune_softmax.py`` sweeps them on a GPU.  ``knobs()`` reads this module's
-globals, so a test that changes a default patches it here.
+Each knob's default is a constant of this module (its comment gives the measurement behind
+the value); ``KNOBS`` registers them as the ``softmax`` family of ``flashtile.kernels.runtime``,
+and ``plan()`` reads ``knobs()`` at every call: the defaults, overridden by the environment
+variable ``FLASHTILE_SOFTMAX_TUNING="name=value,..."`` (e.g. ``unroll=2,programs_per_sm=1``),
+which ``benchmarks/tune_softmax.py`` sweeps on a GPU.
 """
 
 from __future__ import annotations
 
-import os
-
-from flashtile.kernels.runtime import parse_tuning
+from flashtile.kernels.runtime import Knob, register_family
 
 # --- Strategy thresholds and launch knobs (defaults for an H200: 132 SMs, 50 MB L2) ------
 # Rows up to this length are held whole in registers.  At 16k elements and 16 warps that is
@@ -91,36 +89,34 @@ EVICTION_HINTS = 1
 # in flight per thread, without the eviction hints.
 LOOP_STAGES = 0
 
-TUNING_ENV = "FLASHTILE_SOFTMAX_TUNING"
-KNOBS = {
-    "in_register_max": "IN_REGISTER_MAX",
-    "register_warps": "REGISTER_WARPS",
-    "block": "STREAM_BLOCK",
-    "unroll": "STREAM_UNROLL",
-    "warps_per_sm": "FUSED_WARPS_PER_SM",
-    "programs_per_sm": "FUSED_PROGRAMS_PER_SM",
-    "l2_budget_mb": "FUSED_L2_BUDGET_MB",
-    "min_programs_per_sm": "FUSED_MIN_PROGRAMS_PER_SM",
-    "fused_min_rows_per_sm": "FUSED_MIN_ROWS_PER_SM",
-    "split_warps": "SPLIT_WARPS",
-    "split_programs_per_sm": "SPLIT_PROGRAMS_PER_SM",
-    "cooperative_max": "COOPERATIVE_MAX",
-    "coop_bwd_max": "COOP_BWD_MAX",
-    "coop_fwd_min_bytes": "COOP_FWD_MIN_BYTES",
-    "coop_pack": "COOP_PACK",
-    "coop_block": "COOP_BLOCK",
-    "coop_bwd_block": "COOP_BWD_BLOCK",
-    "coop_warps": "COOP_WARPS",
-    "coop_maxnreg": "COOP_MAXNREG",
-    "coop_fwd_maxnreg": "COOP_FWD_MAXNREG",
-    "evict": "EVICTION_HINTS",
-    "stages": "LOOP_STAGES",
-}
-_FLOAT_KNOBS = ("fused_min_rows_per_sm", "l2_budget_mb", "min_programs_per_sm", "programs_per_sm")
-
-
-def knobs() -> dict:
-    """The knobs in force: the module constants, overridden by ``FLASHTILE_SOFTMAX_TUNING``."""
-    current = {name: globals()[const] for name, const in KNOBS.items()}
-    current.update(parse_tuning(TUNING_ENV, os.environ.get(TUNING_ENV, ""), tuple(KNOBS), tuple(_FLOAT_KNOBS)))
-    return current
+KNOBS = register_family("softmax", "FLASHTILE_SOFTMAX_TUNING", {
+    "in_register_max": (IN_REGISTER_MAX, "rows up to this length are held whole in registers"),
+    "register_warps": (REGISTER_WARPS, "num_warps of the in-register kernel for rows of 8k+ elements (0: by row length)"),
+    "block": (STREAM_BLOCK, "streaming sub-tile in elements (0: one 16-byte vector per thread)"),
+    "unroll": (STREAM_UNROLL, "streaming sub-tiles loaded back to back per iteration"),
+    "warps_per_sm": (FUSED_WARPS_PER_SM, "fused path: warps per SM, shared by its resident programs"),
+    "programs_per_sm": Knob(FUSED_PROGRAMS_PER_SM, "fused path: at most this many persistent programs per SM",
+                            kind=float),
+    "l2_budget_mb": Knob(FUSED_L2_BUDGET_MB, "fused path: MB of L2 that the rows in flight may fill (their second "
+                         "read hits L2)", kind=float),
+    "min_programs_per_sm": (FUSED_MIN_PROGRAMS_PER_SM, "fused path: fewest programs per SM for long rows (below 1: "
+                            "fewer, larger programs)"),
+    "fused_min_rows_per_sm": (FUSED_MIN_ROWS_PER_SM, "fused path when rows >= this x SMs, else split"),
+    "split_warps": (SPLIT_WARPS, "split path: num_warps per chunk program"),
+    "split_programs_per_sm": (SPLIT_PROGRAMS_PER_SM, "split path: chunk programs per SM to aim for"),
+    "cooperative_max": (COOPERATIVE_MAX, "forward: rows up to this length take the cooperative path (0: off)"),
+    "coop_bwd_max": (COOP_BWD_MAX, "backward: rows up to this length take the cooperative path (0: off)"),
+    "coop_fwd_min_bytes": (COOP_FWD_MIN_BYTES, "forward: the cooperative path only for rows of at least this many "
+                           "bytes"),
+    "coop_pack": (COOP_PACK, "cooperative forward: hold 16-bit rows as pairs in int32 words (1) or one a word (0)"),
+    "coop_block": (COOP_BLOCK, "cooperative forward: chunk elements (0: 32 KB of input)"),
+    "coop_bwd_block": (COOP_BWD_BLOCK, "cooperative backward: chunk elements"),
+    "coop_warps": (COOP_WARPS, "cooperative path: num_warps per chunk program"),
+    "coop_maxnreg": (COOP_MAXNREG, "cooperative kernels: register cap (0: none unless the chunks would not all be "
+                     "resident, then 64)"),
+    "coop_fwd_maxnreg": (COOP_FWD_MAXNREG, "cooperative forward: its own register cap (0: coop_maxnreg)"),
+    "evict": (EVICTION_HINTS, "L2 eviction hints on the streaming kernels (1) or none (0)"),
+    "stages": (LOOP_STAGES, "num_stages of the streaming loops (0: the compiler's default)"),
+})
+TUNING_ENV = KNOBS.env_var
+knobs = KNOBS.current
