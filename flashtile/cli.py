@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         "iomodel",
         help="predicted HBM traffic: naive attention vs flashtile's kernels (no GPU needed)",
         description=(
-            "Print the HBM bytes read + written that flashtile/iomodel.py predicts for naive attention "
+            "Print the HBM bytes read + written that flashtile/analysis/iomodel.py predicts for naive attention "
             "and for flashtile's Triton kernels (with their real tile sizes), forward and backward."
         ),
     )

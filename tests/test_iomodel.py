@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from flashtile import cli, iomodel
+from flashtile.analysis.iomodel import key_tiles_per_query_tile, query_tiles_per_key_tile
 from flashtile.iomodel import AttentionShape, KernelTiles
 from flashtile.kernels.masking import key_tiles, query_tiles
 
@@ -255,11 +256,11 @@ def test_model_visits_the_kernels_tiles(seqlen_q, seqlen_k, block_m, block_n, ca
     n_q, n_k = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
     out = torch.zeros(2 * n_q, dtype=torch.int32, device=device)
     _count_key_tiles[(n_q,)](out, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal)
-    model = [(v, loaded) for _, v, loaded in iomodel._key_tiles_per_query_tile(seqlen_q, seqlen_k, block_m, block_n, causal)]
+    model = [(v, loaded) for _, v, loaded in key_tiles_per_query_tile(seqlen_q, seqlen_k, block_m, block_n, causal)]
     assert [tuple(p) for p in out.view(-1, 2).tolist()] == model
     out = torch.zeros(2 * n_k, dtype=torch.int32, device=device)
     _count_query_tiles[(n_k,)](out, seqlen_q, seqlen_k, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal)
-    model = [(v, loaded) for _, v, loaded in iomodel._query_tiles_per_key_tile(seqlen_q, seqlen_k, block_m, block_n, causal)]
+    model = [(v, loaded) for _, v, loaded in query_tiles_per_key_tile(seqlen_q, seqlen_k, block_m, block_n, causal)]
     assert [tuple(p) for p in out.view(-1, 2).tolist()] == model
 
 
