@@ -1,0 +1,179 @@
+"""Launching a compiled Triton kernel directly, without Triton's per-call dispatch.
+
+``kernel[grid](*args, **constexprs)`` re-derives, on every call, what it already knew at the
+previous one: it binds the arguments to the signature, specialises each of them (type,
+``== 1``, divisible by 16), builds a cache key from those and the stringified options,
+looks the compiled kernel up, builds launch metadata for the profiler hooks and only then
+launches.  A decoding step keeps the GPU busy for ~10-20 us, so this host work decides the
+eager latency.  :func:`launch` does the dispatch once per *specialisation class* and then
+calls the cached ``CompiledKernel``'s launcher itself.
+
+Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6):
+
+* Triton picks the compiled variant from (per argument) its type and specialisation, plus
+  the options (constexprs, ``num_warps``, ...).  The key here holds, per runtime argument,
+  a class at least as fine as Triton's: a tensor's dtype and whether its address is a
+  multiple of 16; an int's range (i32 / i64 / wider), whether it equals 1 (Triton makes it
+  a constexpr) and whether it is a multiple of 16; a float / bool / None by type.  The
+  constexprs and launch options are in the key by value, as is the current device.  Two
+  calls with one key therefore get one compiled kernel from Triton, and the first call of
+  every key goes through ``kernel[grid]`` itself, whose returned kernel is the one cached.
+* The launcher (``CompiledKernel.run``) takes every parameter in signature order and
+  ignores the constexpr ones (``None`` and ints equal to 1 included), so the runtime
+  arguments are passed followed by the constexpr values, as ``JITFunction.run`` does.
+* ``JITFunction.run`` passes launch metadata and the launch hooks; with no hook registered
+  (``knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` empty, as they are unless a
+  profiler such as proton is active) calling them does nothing, and ``None`` is passed.
+  With a hook registered, or a pre-run hook on the kernel, every launch is ordinary.
+* Anything the key does not classify -- a host TMA ``TensorDescriptor``, a numpy scalar, a
+  tuple, a callable grid, a runtime argument passed by keyword -- makes that call an
+  ordinary launch, so it is dispatched by Triton as before.  So does Triton's interpreter
+  (``TRITON_INTERPRET=1``: no compiled kernels) and ``torch.compile`` tracing (Dynamo
+  understands ``kernel[grid](...)``, not a raw launcher call).
+
+If a direct launch raises, that key is marked failed and the call (and every later one with
+that key) goes through the ordinary launch, which raises again if the error was the caller's
+(a CPU tensor, say).  Tests set :data:`RAISE_DIRECT_ERRORS` so that a bug in this layer
+cannot hide behind the fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from flashtile.kernels.runtime import INTERPRET
+
+# Tests set this so that a failing direct launch raises instead of falling back.
+RAISE_DIRECT_ERRORS = False
+
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_I64 = (-(1 << 63), (1 << 63) - 1)
+_UNCLASSIFIED = object()  # a runtime argument of a type the key does not describe
+_FAILED = object()  # a key whose direct launch raised once: ordinary launches from then on
+
+
+def _arg_class(arg):
+    """What of a runtime argument decides Triton's compiled variant (see the module doc)."""
+    cls = arg.__class__
+    if cls is int:
+        if arg == 1:
+            return 1  # a constexpr in the compiled kernel
+        size = 0 if _I32[0] <= arg <= _I32[1] else 1 if _I64[0] <= arg <= _I64[1] else 2
+        return (size, arg & 15 == 0)
+    if cls is float or cls is bool or arg is None:
+        return cls
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() & 15 == 0)
+    return _UNCLASSIFIED
+
+
+class _KernelCache:
+    """One kernel's compiled variants by key, each with the constexpr values that follow the
+    runtime arguments in its signature."""
+
+    __slots__ = ("kernel", "variants")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.variants = {}
+
+    def tail(self, n_args: int, options: dict):
+        """The values of the parameters after the first ``n_args``, in signature order, or
+        ``None`` when one of them is not a constexpr (it would need a class in the key) or is
+        neither given nor defaulted (the ordinary launch then reports it)."""
+        values = []
+        for param in self.kernel.params[n_args:]:
+            if not param.is_constexpr:
+                return None
+            if param.name in options:
+                values.append(options[param.name])
+            elif param.has_default:
+                values.append(param.default)
+            else:
+                return None
+        return tuple(values)
+
+
+_caches: dict[int, _KernelCache] = {}
+_device_functions = None  # (current device, current stream) getters of the active driver
+
+
+def _hooks_idle() -> bool:
+    """No launch hook would run: Triton 3.6 keeps them in (empty) ``HookChain``s."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and (not isinstance(hook, knobs.HookChain) or hook.calls):
+            return False
+    return True
+
+
+def _ordinary(kernel, grid, args, options):
+    return kernel[grid](*args, **options)
+
+
+def launch(kernel, grid: tuple, args: tuple, options: dict) -> None:
+    """``kernel[grid](*args, **options)``, launched directly once this call's class has been
+    compiled.  ``args``: the runtime arguments, positional, in signature order; ``options``:
+    the constexpr arguments and launch options (``num_warps``, ``num_stages``, ...)."""
+    if INTERPRET or grid.__class__ is not tuple or not isinstance(kernel, JITFunction) or torch.compiler.is_compiling():
+        _ordinary(kernel, grid, args, options)
+        return
+    global _device_functions
+    if _device_functions is None:
+        driver = triton.runtime.driver.active
+        _device_functions = (driver.get_current_device, driver.get_current_stream)
+    cache = _caches.get(id(kernel))
+    if cache is None or cache.kernel is not kernel:
+        cache = _caches[id(kernel)] = _KernelCache(kernel)
+    classes = tuple(map(_arg_class, args))
+    device = _device_functions[0]()
+    try:
+        # The option types too: True == 1 as dict keys, but Triton compiles them apart.
+        key = (device, tuple(options.items()), tuple(map(type, options.values())), classes)
+        compiled = cache.variants.get(key)
+    except TypeError:  # an unhashable option value: Triton's own key handles it
+        _ordinary(kernel, grid, args, options)
+        return
+    if compiled is None or compiled is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
+        returned = _ordinary(kernel, grid, args, options)
+        if compiled is None:
+            _remember(cache, key, classes, returned, len(args), options)
+        return
+    grid_0, grid_1, grid_2 = (grid + (1, 1))[:3]
+    try:
+        compiled[0].run(grid_0, grid_1, grid_2, _device_functions[1](device), compiled[0].function,
+                        compiled[0].packed_metadata, None, None, None, *args, *compiled[1])
+    except Exception:
+        if RAISE_DIRECT_ERRORS:
+            raise
+        cache.variants[key] = _FAILED
+        _ordinary(kernel, grid, args, options)
+
+
+def _remember(cache, key, classes, returned, n_args, options):
+    """Keep the kernel the ordinary launch used, when a later direct launch can reproduce
+    that launch exactly (see the module doc)."""
+    tail = cache.tail(n_args, options)
+    if (tail is None or _UNCLASSIFIED in classes or any(v.__class__ is float for v in options.values())
+            or hasattr(returned, "result") or not hasattr(returned, "packed_metadata")):
+        # Ordinary launches for this key: Triton classifies what the key cannot (a float
+        # constexpr is keyed by value, and 0.0 == -0.0 compile apart), and an asynchronous
+        # compile returns a future, not a kernel.
+        cache.variants[key] = _FAILED
+        return
+    cache.variants[key] = (returned, tail)
+
+
+def compiled_variants(kernel) -> list:
+    """The compiled kernels :func:`launch` holds for ``kernel`` (tests and reports)."""
+    cache = _caches.get(id(kernel))
+    if cache is None or cache.kernel is not kernel:
+        return []
+    return [v[0] for v in cache.variants.values() if v is not _FAILED]
+
+
+def clear() -> None:
+    """Forget every cached variant (the next launch of each class is ordinary again)."""
+    _caches.clear()

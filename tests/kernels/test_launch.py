@@ -1,0 +1,366 @@
+"""The direct launch layer (flashtile/kernels/launch.py).
+
+On the CPU the layer's bookkeeping is checked with a ``JITFunction`` whose ``run`` (the
+ordinary launch) is replaced by a recorder that returns a fake compiled kernel: which calls
+go the ordinary way, which are launched directly, with which arguments.  The key's argument
+classes are checked against Triton's own specialisation (``native_specialize_impl``).
+On a GPU (``gpu`` marker) the decode kernels launched directly must give bitwise the results
+of ordinary launches, in eager mode and replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from flashtile.kernels import launch as launch_mod
+
+
+def _toy(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass  # never compiled: the ordinary launch is a recorder
+
+
+class _FakeCompiled:
+    """What the ordinary launch returns: a kernel whose launcher records its calls."""
+
+    function = "function-handle"
+    packed_metadata = "packed-metadata"
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def run(self, *args):
+        self.calls.append(("direct", args))
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """(kernel, calls): a JITFunction launched outside the interpreter, recording every launch."""
+    kernel = JITFunction(_toy)
+    calls = []
+    compiled = _FakeCompiled(calls)
+
+    def ordinary(*args, grid, warmup, **options):
+        calls.append(("ordinary", grid, args, options))
+        return compiled
+
+    kernel.run = ordinary
+    monkeypatch.setattr(launch_mod, "INTERPRET", False)
+    monkeypatch.setattr(launch_mod, "_device_functions", (lambda: 0, lambda device: 1234))
+    monkeypatch.setattr(launch_mod, "RAISE_DIRECT_ERRORS", False)
+    launch_mod.clear()
+    yield kernel, calls
+    launch_mod.clear()
+
+
+def _kinds(calls):
+    return [c[0] for c in calls]
+
+
+def test_second_launch_of_a_class_is_direct_with_the_constexprs_appended(toy):
+    kernel, calls = toy
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch_mod.launch(kernel, (3,), (x, y, 40, 0.5), dict(BLOCK=16, num_warps=4))
+    launch_mod.launch(kernel, (3,), (x, y, 40, 0.5), dict(BLOCK=16, num_warps=4))
+    assert _kinds(calls) == ["ordinary", "direct"]
+    assert calls[0][1:] == ((3,), (x, y, 40, 0.5), dict(BLOCK=16, num_warps=4))
+    # grid padded to 3 axes, the current stream, the handle, metadata, no launch metadata or
+    # hooks, then every parameter in signature order (FLAG from its default).
+    assert calls[1][1] == (3, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None,
+                           x, y, 40, 0.5, 16, False)
+    assert launch_mod.compiled_variants(kernel) and not launch_mod.compiled_variants(JITFunction(_toy))
+
+
+def test_new_tensors_and_ints_of_one_class_reuse_the_variant(toy):
+    kernel, calls = toy
+    launch_mod.launch(kernel, (1, 2), (torch.zeros(8), torch.zeros(8), 17, 0.5), dict(BLOCK=16))
+    launch_mod.launch(kernel, (1, 2), (torch.zeros(9), torch.zeros(3), 18, 2.0), dict(BLOCK=16))
+    assert _kinds(calls) == ["ordinary", "direct"]
+    assert calls[1][1][:3] == (1, 2, 1)
+
+
+@pytest.mark.parametrize("change", ["misaligned_tensor", "dtype", "int_one", "int_multiple_of_16", "int64",
+                                    "float_for_int", "constexpr", "bool_for_int_constexpr", "launch_option"])
+def test_every_change_of_specialisation_class_compiles_through_triton(toy, change):
+    kernel, calls = toy
+    x, y = torch.zeros(64), torch.zeros(64)
+    base = ((x, y, 40, 0.5), dict(BLOCK=16, FLAG=1, num_warps=4))
+    args, options = list(base[0]), dict(base[1])
+    if change == "misaligned_tensor":
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args[1] = y.to(torch.float16)
+    elif change == "int_one":
+        args[2] = 1  # a constexpr in Triton's compiled kernel
+    elif change == "int_multiple_of_16":
+        args[2] = 48
+    elif change == "int64":
+        args[2] = 40 + 2**32
+    elif change == "float_for_int":
+        args[2] = 40.0
+    elif change == "constexpr":
+        options["BLOCK"] = 32
+    elif change == "bool_for_int_constexpr":
+        options["FLAG"] = True  # == 1 as a dict key, another constexpr for Triton
+    elif change == "launch_option":
+        options["num_warps"] = 8
+    launch_mod.launch(kernel, (1,), base[0], base[1])
+    launch_mod.launch(kernel, (1,), tuple(args), options)
+    launch_mod.launch(kernel, (1,), tuple(args), options)
+    assert _kinds(calls) == ["ordinary", "ordinary", "direct"]
+
+
+@pytest.mark.parametrize("case", ["tuple_argument", "numpy_scalar", "float_constexpr", "runtime_by_keyword",
+                                  "callable_grid"])
+def test_what_the_key_cannot_describe_always_launches_the_ordinary_way(toy, case):
+    import numpy as np
+
+    kernel, calls = toy
+    x, y = torch.zeros(64), torch.zeros(64)
+    args, options, grid = (x, y, 40, 0.5), dict(BLOCK=16), (1,)
+    if case == "tuple_argument":
+        args = (x, y, (40, 41), 0.5)
+    elif case == "numpy_scalar":
+        args = (x, y, np.int32(40), 0.5)
+    elif case == "float_constexpr":
+        options = dict(BLOCK=16, FLAG=0.0)  # 0.0 == -0.0 as a key, two constexprs for Triton
+    elif case == "runtime_by_keyword":
+        args, options = (x, y, 40), dict(BLOCK=16, scale=0.5)
+    elif case == "callable_grid":
+        grid = lambda meta: (1,)  # noqa: E731
+    for _ in range(3):
+        launch_mod.launch(kernel, grid, args, options)
+    assert _kinds(calls) == ["ordinary"] * 3
+
+
+def test_launch_hooks_and_pre_run_hooks_force_ordinary_launches(toy):
+    kernel, calls = toy
+    args, options = (torch.zeros(8), torch.zeros(8), 40, 0.5), dict(BLOCK=16)
+    launch_mod.launch(kernel, (1,), args, options)
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch_mod.launch(kernel, (1,), args, options)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    kernel.add_pre_run_hook(lambda *a, **k: None)
+    launch_mod.launch(kernel, (1,), args, options)
+    kernel.pre_run_hooks.clear()
+    launch_mod.launch(kernel, (1,), args, options)
+    assert _kinds(calls) == ["ordinary", "ordinary", "ordinary", "direct"]
+
+
+def test_a_failing_direct_launch_falls_back_once_and_for_good(toy):
+    kernel, calls = toy
+    args, options = (torch.zeros(8), torch.zeros(8), 40, 0.5), dict(BLOCK=16)
+    launch_mod.launch(kernel, (1,), args, options)
+    compiled = launch_mod.compiled_variants(kernel)[0]
+
+    def broken(*a):
+        calls.append(("broken", a))
+        raise RuntimeError("launcher failed")
+
+    compiled.run = broken
+    launch_mod.launch(kernel, (1,), args, options)  # direct fails: relaunched the ordinary way
+    launch_mod.launch(kernel, (1,), args, options)  # marked failed: ordinary from now on
+    assert _kinds(calls) == ["ordinary", "broken", "ordinary", "ordinary"]
+    assert launch_mod.compiled_variants(kernel) == []
+
+
+def test_tests_can_make_a_failing_direct_launch_raise(toy, monkeypatch):
+    kernel, calls = toy
+    args, options = (torch.zeros(8), torch.zeros(8), 40, 0.5), dict(BLOCK=16)
+    launch_mod.launch(kernel, (1,), args, options)
+
+    def broken(*a):
+        raise RuntimeError("launcher failed")
+
+    launch_mod.compiled_variants(kernel)[0].run = broken
+    monkeypatch.setattr(launch_mod, "RAISE_DIRECT_ERRORS", True)
+    with pytest.raises(RuntimeError, match="launcher failed"):
+        launch_mod.launch(kernel, (1,), args, options)
+
+
+def test_interpreter_and_tracing_launch_the_ordinary_way(toy, monkeypatch):
+    kernel, calls = toy
+    args, options = (torch.zeros(8), torch.zeros(8), 40, 0.5), dict(BLOCK=16)
+    launch_mod.launch(kernel, (1,), args, options)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    launch_mod.launch(kernel, (1,), args, options)
+    monkeypatch.undo()
+    monkeypatch.setattr(launch_mod, "INTERPRET", True)
+    monkeypatch.setattr(launch_mod, "_device_functions", (lambda: 0, lambda device: 1234))
+    launch_mod.launch(kernel, (1,), args, options)
+    assert _kinds(calls) == ["ordinary", "ordinary", "ordinary"]
+
+
+def test_argument_classes_are_at_least_as_fine_as_tritons_specialisation():
+    """Two arguments of one class get one specialisation from Triton (what picks the
+    compiled variant), for ints around every boundary, floats, bools, None and tensors."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
+            -2**31 - 16, 2**63 - 16, 2**63 - 1, -2**63, 2**63, 2**63 + 16, 2**64 - 16, 2**64 - 1]
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base[4:], base[8:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
+               base.to(torch.bfloat16)[1:], base.to(torch.int32), base.to(torch.int64)[2:]]
+    values = ints + [0.0, -0.0, 1.0, 2.5, True, False, None] + tensors
+    seen = {}
+    for value in values:
+        cls = launch_mod._arg_class(value)
+        try:
+            spec = native_specialize_impl(backend, value, False, True, True)
+        except Exception:  # noqa: BLE001 - a value Triton itself rejects (above u64)
+            spec = "rejected"
+        spec = (spec[0], spec[1]) if spec != "rejected" else spec
+        if cls in seen:
+            assert seen[cls][1] == spec, (value, seen[cls][0], cls, spec, seen[cls][1])
+        else:
+            seen[cls] = (value, spec)
+    assert launch_mod._arg_class((1, 2)) is launch_mod._UNCLASSIFIED
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: direct launches of the decode kernels are bitwise the ordinary launches
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def strict_direct(monkeypatch):
+    """Direct launches that raise instead of falling back, counted."""
+    monkeypatch.setattr(launch_mod, "RAISE_DIRECT_ERRORS", True)
+    launch_mod.clear()
+    counts = {"ordinary": 0}
+    real = launch_mod._ordinary
+
+    def counted(*args):
+        counts["ordinary"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(launch_mod, "_ordinary", counted)
+    yield counts
+    launch_mod.clear()
+
+
+def _decode_inputs(page_size, batch=3, cache=3000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 1, 32, 128, generator=g).to("cuda", torch.bfloat16)
+    if page_size is None:
+        kc, vc = (torch.randn(batch, cache, 4, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        table = None
+    else:
+        pages = -(-cache // page_size)
+        kc, vc = (torch.randn(batch * pages, page_size, 4, 128, generator=g).to("cuda", torch.bfloat16)
+                  for _ in range(2))
+        table = torch.randperm(batch * pages, generator=g).reshape(batch, pages).to("cuda", torch.int32)
+    knew, vnew = (torch.randn(batch, 1, 4, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([0, 1500, cache - 1][:batch], dtype=torch.int32, device="cuda")
+    return q, kc, vc, knew, vnew, seqlens, table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("lengths", ["tensor", "int"])
+def test_gpu_direct_decode_is_bitwise_the_ordinary_launch(page_size, num_splits, lengths, strict_direct,
+                                                          monkeypatch):
+    import flashtile
+
+    q, kc, vc, knew, vnew, seqlens, table = _decode_inputs(page_size)
+    seqlens = seqlens if lengths == "tensor" else 1200
+    kc0, vc0 = kc.clone(), vc.clone()
+
+    def step(k_cache, v_cache):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, knew, vnew, cache_seqlens=seqlens,
+                                                 block_table=table, causal=True, num_splits=num_splits,
+                                                 return_lse=True)
+
+    results = []
+    for call in range(3):  # the first compiles (ordinary launches), the next two launch directly
+        k_cache, v_cache = kc0.clone(), vc0.clone()
+        out, lse = step(k_cache, v_cache)
+        results.append((out, lse, k_cache, v_cache))
+        if call == 0:
+            after_first = strict_direct["ordinary"]
+            assert after_first >= 2  # the append and the split kernel (and the combine, if any)
+    torch.cuda.synchronize()
+    assert strict_direct["ordinary"] == after_first
+    monkeypatch.setattr(launch_mod, "INTERPRET", True)  # every launch the ordinary way
+    k_cache, v_cache = kc0.clone(), vc0.clone()
+    want = step(k_cache, v_cache) + (k_cache, v_cache)
+    torch.cuda.synchronize()
+    for got in results:
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_direct_launches_replay_in_a_cuda_graph(page_size, strict_direct, monkeypatch):
+    import flashtile
+
+    q, kc, vc, knew, vnew, seqlens, table = _decode_inputs(page_size, seed=1)
+    kc0, vc0 = kc.clone(), vc.clone()
+
+    def step():
+        return flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=seqlens, block_table=table,
+                                                 causal=True, return_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles: the capture below launches directly
+    torch.cuda.current_stream().wait_stream(stream)
+    before = strict_direct["ordinary"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    assert strict_direct["ordinary"] == before  # captured through the direct path
+    for lengths in ([5, 700, 2], [6, 1500, 2998]):
+        kc.copy_(kc0), vc.copy_(vc0)
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(launch_mod, "INTERPRET", True)
+        k_ref, v_ref = kc0.clone(), vc0.clone()
+        want = flashtile.flash_attn_with_kvcache(q, k_ref, v_ref, knew, vnew, cache_seqlens=seqlens,
+                                                 block_table=table, causal=True, return_lse=True)
+        monkeypatch.setattr(launch_mod, "INTERPRET", False)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_host_time_is_below_the_ordinary_launch(strict_direct, monkeypatch):
+    """The point of the layer: a decode call's host time drops (generous margin: 0.8x)."""
+    import time
+
+    import flashtile
+
+    q, kc, vc, knew, vnew, seqlens, table = _decode_inputs(None, batch=1, cache=1024, seed=2)
+
+    def per_call_us(calls=500):
+        for _ in range(20):
+            flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=7)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            flashtile.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=7)
+        elapsed = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return elapsed / calls * 1e6
+
+    direct = per_call_us()
+    monkeypatch.setattr(launch_mod, "INTERPRET", True)
+    ordinary = per_call_us()
+    print(f"host us per call: direct {direct:.1f}, ordinary {ordinary:.1f}")
+    assert direct < 0.8 * ordinary, (direct, ordinary)
