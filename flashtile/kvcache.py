@@ -118,11 +118,29 @@ def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, 
 
 
 def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
-                   alibi_slopes, num_splits, leftpad=None):
+                   alibi_slopes, num_splits, leftpad=None, seqlen_new=0):
     from flashtile.kernels.decode import decode
 
     return decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, scale, left, right, softcap,
-                  alibi_slopes, num_splits, cache_leftpad=leftpad)
+                  alibi_slopes, num_splits, cache_leftpad=leftpad, seqlen_new=seqlen_new)
+
+
+def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, left, right, softcap,
+                 alibi_slopes, num_splits, leftpad=None):
+    """The append (if ``k`` is given) and the attention, on checked arguments, in the kernels.
+
+    A decoding step lasts microseconds on the GPU, so nothing but the kernels is launched:
+    index tensors go to them as they are (int32 or int64), one int length for every sequence
+    as an int, and the decode kernel adds the appended keys to the lengths itself."""
+    seqlen_new = 0
+    if k is not None:
+        from flashtile.kernels.decode import append_kv
+
+        seqlen_new = k.shape[1]
+        with torch.no_grad():
+            append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    return _attend_triton(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, scale, left, right,
+                          softcap, alibi_slopes, num_splits, leftpad=leftpad, seqlen_new=seqlen_new)
 
 
 def flash_attn_with_kvcache(
@@ -192,7 +210,6 @@ def flash_attn_with_kvcache(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
 
-    paged = block_table is not None
     capacity = kvcache_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
@@ -207,32 +224,19 @@ def flash_attn_with_kvcache(
         positions = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
         q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions,
                        local=params.window_left >= 0 or params.window_right >= 0)
-    # Decoding steps last microseconds: on a GPU without new keys, launch nothing but the kernels
-    # (one int length for every sequence goes to the kernel as it is, no tensor is filled).
-    if isinstance(cache_seqlens, int) and (k is not None or not q.is_cuda):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if k is not None:
-        with torch.no_grad():
-            if q.is_cuda:
-                from flashtile.kernels.decode import append_kv
-
-                append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-            else:
-                rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch)
-                _append(k_cache, v_cache, k, v, cache_seqlens, rows, block_table)
-        seqlens_k = (cache_seqlens + seqlen_new).to(torch.int32)
-    elif isinstance(cache_seqlens, int):
-        seqlens_k = cache_seqlens
-    else:
-        seqlens_k = cache_seqlens.to(torch.int32)  # no copy when already int32
-
     args = (params.softmax_scale, params.window_left, params.window_right, params.softcap, alibi_slopes)
     if q.is_cuda:
-        cbi = cache_batch_idx.to(torch.int32) if cache_batch_idx is not None else None
-        bt = block_table.to(torch.int32) if paged else None
-        out, lse = _attend_triton(q, k_cache, v_cache, seqlens_k, cbi, bt, *args, num_splits, leftpad=cache_leftpad)
-    else:
-        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch)
-        with torch.no_grad():
-            out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, rows, block_table, *args, leftpad=cache_leftpad)
+        out, lse = _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, *args,
+                                num_splits, leftpad=cache_leftpad)
+        return (out, lse) if return_lse else out
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch)
+    with torch.no_grad():
+        if k is not None:
+            _append(k_cache, v_cache, k, v, cache_seqlens, rows, block_table)
+            seqlens_k = cache_seqlens + seqlen_new
+        else:
+            seqlens_k = cache_seqlens
+        out, lse = _attend_cpu(q, k_cache, v_cache, seqlens_k, rows, block_table, *args, leftpad=cache_leftpad)
     return (out, lse) if return_lse else out

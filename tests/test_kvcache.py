@@ -153,6 +153,36 @@ def test_split_kernel_takes_one_int_length_for_every_sequence(page_size):
 
 
 @needs_kernels
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("lengths", ["int", "int32", "int64"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_step_matches_the_cpu_path(page_size, lengths, splits):
+    """The GPU branch of flash_attn_with_kvcache (append kernel, then decode with the appended
+    keys added in the kernel; index tensors of either int dtype passed as they are) against
+    the CPU path on the same checked arguments."""
+    q, kc, vc, table = _case(3, 2, 4, 2, 32, 64, page_size, seed=60, device=DEVICE)
+    g = _gen(61)
+    knew, vnew = (torch.randn(3, 2, 2, 32, generator=g).to(DEVICE) for _ in range(2))
+    dtype = torch.int64 if lengths == "int64" else torch.int32
+    seqlens = 37 if lengths == "int" else torch.tensor([0, 37, 62], dtype=dtype, device=DEVICE)
+    idx = None
+    if page_size is None:
+        idx = torch.tensor([2, 0, 1], dtype=dtype, device=DEVICE)
+    else:
+        table = table.to(dtype)
+    kc_ref, vc_ref = kc.cpu().clone(), vc.cpu().clone()
+    out, lse = kvcache._step_triton(q, kc, vc, knew, vnew, seqlens, idx, table, 0.2, -1, 0, 0.0, None, splits)
+    want = flashtile.flash_attn_with_kvcache(q.cpu(), kc_ref, vc_ref, knew.cpu(), vnew.cpu(),
+                                             cache_seqlens=seqlens if isinstance(seqlens, int) else seqlens.cpu(),
+                                             cache_batch_idx=None if idx is None else idx.cpu(),
+                                             block_table=None if table is None else table.cpu(),
+                                             softmax_scale=0.2, causal=True, return_lse=True)
+    assert torch.equal(kc.cpu(), kc_ref) and torch.equal(vc.cpu(), vc_ref)
+    torch.testing.assert_close(out.cpu(), want[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), want[1], atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
 def test_split_kernel_softcap_alibi_window_and_batch_idx():
     q, kc, vc, _ = _case(2, 2, 4, 2, 40, 64, seed=7, device=DEVICE)
     slopes = (torch.rand(4, generator=_gen(8)) * 0.3).to(DEVICE)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashtile.kernels.launch import launch
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.online_softmax import LOG2E, online_max, score_mod, score_mod_args
 from flashtile.kernels.runtime import (
@@ -114,7 +115,7 @@ def _decode_split(
     OUT, LSE, stride_ob, stride_on, stride_oh,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all, capacity, cache_rows,
+    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all, seqlen_new, capacity, cache_rows,
     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
     HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -136,10 +137,12 @@ def _decode_split(
     split = tl.program_id(1)
     b = pid // nheads_k
     hk = pid % nheads_k
+    # The keys of sequence b: its valid length before this call's append (``SEQLENS_K[b]``, or
+    # ``seqlen_k_all`` for every sequence) plus the ``seqlen_new`` keys appended by the call.
     if HAS_SEQLENS:
-        seqlen_k = tl.load(SEQLENS_K + b)
+        seqlen_k = tl.load(SEQLENS_K + b) + seqlen_new
     else:
-        seqlen_k = seqlen_k_all
+        seqlen_k = seqlen_k_all + seqlen_new
     # Index values are clamped into the cache (a length in [0, capacity], a row or page id
     # that exists): the host checks them where it can read them, not inside CUDA-graph
     # capture, and no value may make this kernel read out of bounds.
@@ -367,30 +370,51 @@ def launch_config(batch: int, nheads_k: int, capacity: int, device: torch.device
     return DecodeConfig(block_m=block_m, block_n=block_n, stages=stages, num_splits=num_splits)
 
 
+@functools.lru_cache(maxsize=256)
+def cached_launch_config(batch: int, nheads_k: int, capacity: int, device: torch.device, paged: bool, hd: int,
+                         rows: int, elt: int, tuning_text: str) -> DecodeConfig:
+    """:func:`launch_config` once per shape: a decoding loop repeats one shape for thousands of
+    steps, and the rule (split count, shared-memory fit) costs microseconds of Python.  Keyed
+    on the ``FLASHTILE_DECODE_TUNING`` text, which selects the knobs."""
+    return launch_config(batch, nheads_k, capacity, device, paged, hd, rows, elt, _knobs(tuning_text))
+
+
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
-           softcap, alibi_slopes, num_splits, cache_leftpad=None):
+           softcap, alibi_slopes, num_splits, cache_leftpad=None, seqlen_new=0):
     """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
 
-    ``seqlens_k``: int32 ``(batch,)`` valid cache lengths, or one int for every sequence (no
-    tensor to fill: a decoding step is short enough that one launch fewer shows).  One split
-    is one launch; more add the combine kernel, launched programmatically dependent on Hopper.
-    (Merging inside the split kernel -- the last split of each (sequence, KV head) to finish
-    merging them all -- measured slower: batch 1, 32k, 32 splits: 2.4 TB/s against 3.1.)"""
+    ``seqlens_k``: int32 / int64 ``(batch,)`` cache lengths, or one int for every sequence (no
+    tensor to fill: a decoding step is short enough that one launch fewer shows); the kernel
+    adds ``seqlen_new`` (the keys just appended) to them, so the caller needs no tensor op
+    for the updated lengths.  ``cache_batch_idx``, ``block_table``, ``cache_leftpad``: int32
+    or int64, read as they are.  One split is one launch; more add the combine kernel,
+    launched programmatically dependent on Hopper.  Both go through
+    :func:`flashtile.kernels.launch.launch` (compiled once per specialisation class, then
+    launched directly).  (Merging inside the split kernel -- the last split of each
+    (sequence, KV head) to finish merging them all -- measured slower: batch 1, 32k,
+    32 splits: 2.4 TB/s against 3.1.)"""
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
     # The kernel reads entry b of these at offset b (block-table rows with their own stride,
-    # columns at stride 1): strided views are copied first.
-    seqlens_k = seqlens_k.contiguous() if isinstance(seqlens_k, torch.Tensor) else seqlens_k
-    cache_batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
-    cache_leftpad = cache_leftpad.contiguous() if cache_leftpad is not None else None
-    block_table = block_table if block_table is None or block_table.stride(1) == 1 else block_table.contiguous()
+    # columns at stride 1): strided views are copied first (a no-op for contiguous ones).
+    has_seqlens = isinstance(seqlens_k, torch.Tensor)
+    if has_seqlens:
+        seqlens_k = seqlens_k.contiguous()
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
+    if cache_leftpad is not None:
+        cache_leftpad = cache_leftpad.contiguous()
     paged = block_table is not None
+    if paged and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     hd = padded_headdim(d)
-    knob = knobs()
+    tuning_text = os.environ.get(TUNING_ENV, "")
+    knob = _knobs(tuning_text)
     group = nheads // nheads_k
-    cfg = launch_config(batch, nheads_k, capacity, q.device, paged, hd, group * seqlen_q, q.element_size(), knob)
+    cfg = cached_launch_config(batch, nheads_k, capacity, q.device, paged, hd, group * seqlen_q, q.element_size(),
+                               tuning_text)
     block_n = cfg.block_n
     num_splits = num_splits if num_splits > 0 else cfg.num_splits
     out = torch.empty((batch, seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
@@ -404,9 +428,8 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
-    has_seqlens = isinstance(seqlens_k, torch.Tensor)
     placeholder = lse  # for pointer arguments the kernel does not read
-    _decode_split[(batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))](
+    launch(_decode_split, (batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m)), (
         q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder, cache_leftpad if cache_leftpad is not None else placeholder,
@@ -415,22 +438,23 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
-        seqlen_q, nheads_k, group, chunk, num_splits, 0 if has_seqlens else seqlens_k, capacity, k_cache.shape[0],
-        softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"], mods["softcap_log2"],
+        seqlen_q, nheads_k, group, chunk, num_splits, 0 if has_seqlens else seqlens_k, seqlen_new, capacity,
+        k_cache.shape[0], softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"],
+        mods["softcap_log2"],
+    ), dict(
         HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
         DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, HAS_LEFTPAD=cache_leftpad is not None,
         num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
-    )
+    ))
     if not direct:
-        _combine_splits[(batch * seqlen_q * nheads,)](
+        launch(_combine_splits, (batch * seqlen_q * nheads,), (
             o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, d,
             out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
-            num_warps=1 if INTERPRET else 4,
-        )
+        ), dict(HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
+                num_warps=1 if INTERPRET else 4))
     return out, lse
 
 
@@ -439,12 +463,12 @@ def _append_kv(
     K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE,
     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_btc,
-    batch, seqlen_new, nheads_k, headdim, capacity, cache_rows,
+    batch, seqlen_new, nheads_k, headdim, capacity, cache_rows, seqlen_all,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_SEQLENS: tl.constexpr,
 ):
     """New keys / values ``BLOCK_T`` positions of one sequence (grid: batch, position tiles) at
-    ``SEQLENS[b] ...``.  Every program first checks the index values of the *whole* batch --
+    ``SEQLENS[b] ...`` (or ``seqlen_all ...`` for every sequence without ``HAS_SEQLENS``).  Every program first checks the index values of the *whole* batch --
     lengths in ``[0, capacity - seqlen_new]``, cache rows and the pages that receive keys in
     ``[0, cache_rows)`` -- and writes nothing unless all are valid: a launch with a bad value
     (possible only where the host could not read them, in CUDA-graph capture) changes nothing
@@ -452,7 +476,12 @@ def _append_kv(
     b = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     b_ok = offs_b < batch
-    lens = tl.load(SEQLENS + offs_b, mask=b_ok, other=0).to(tl.int64)
+    if HAS_SEQLENS:
+        lens = tl.load(SEQLENS + offs_b, mask=b_ok, other=0).to(tl.int64)
+        own_len = tl.load(SEQLENS + b).to(tl.int64)
+    else:
+        lens = tl.zeros([BLOCK_B], tl.int64) + seqlen_all
+        own_len = seqlen_all
     ok = (lens >= 0) & (lens <= capacity - seqlen_new)
     if HAS_BATCH_IDX:
         cbi = tl.load(CACHE_BATCH_IDX + offs_b, mask=b_ok, other=0)
@@ -469,7 +498,7 @@ def _append_kv(
 
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = (t < seqlen_new) & all_ok
-    pos = tl.load(SEQLENS + b).to(tl.int64) + t
+    pos = t.to(tl.int64) + own_len
     pos = tl.where(t_ok, pos, 0)
     if PAGED:
         page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + (pos // PAGE_SIZE) * stride_btc, mask=t_ok, other=0)
@@ -496,25 +525,30 @@ def _append_kv(
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
     """Write ``k``, ``v`` ``(batch, seqlen_new, nheads_k, d)`` into the cache at positions
-    ``cache_seqlens[b] ...`` in place: one launch (the torch equivalent is two scatters and
-    the index arithmetic before them), nothing written unless every index is valid."""
+    ``cache_seqlens[b] ...`` (an int32 / int64 ``(batch,)`` tensor, or one int for every
+    sequence) in place: one launch (the torch equivalent is two scatters and the index
+    arithmetic before them), nothing written unless every index is valid."""
     batch, seqlen_new, nheads_k, d = k.shape
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    cache_seqlens = cache_seqlens.contiguous()
-    cache_batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
+    has_seqlens = isinstance(cache_seqlens, torch.Tensor)
+    if has_seqlens:
+        cache_seqlens = cache_seqlens.contiguous()
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
     block_t = min(64, max(1, next_power_of_2(seqlen_new)))
-    placeholder = cache_seqlens
-    _append_kv[(batch, cdiv(seqlen_new, block_t))](
-        k, v, k_cache, v_cache, cache_seqlens,
+    placeholder = k  # for pointer arguments the kernel does not read
+    launch(_append_kv, (batch, cdiv(seqlen_new, block_t)), (
+        k, v, k_cache, v_cache, cache_seqlens if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
-        batch, seqlen_new, nheads_k, d, capacity, k_cache.shape[0],
+        batch, seqlen_new, nheads_k, d, capacity, k_cache.shape[0], 0 if has_seqlens else cache_seqlens,
+    ), dict(
         HEAD_DIM=next_power_of_2(d), BLOCK_T=block_t, BLOCK_B=max(2, next_power_of_2(batch)),
         BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)), PAGED=paged, PAGE_SIZE=page_size,
-        HAS_BATCH_IDX=cache_batch_idx is not None, num_warps=4,
-    )
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_SEQLENS=has_seqlens, num_warps=4,
+    ))
