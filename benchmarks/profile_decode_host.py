@@ -1,11 +1,25 @@
-"""Host (CPU) time of one eager decoding step, piece by piece (GPU machine only).
+"""Host (CPU) time per call of a decoding step and of a tiny attention forward (GPU machine only).
 
-A decode step at batch 1 keeps the GPU busy for ~20 us, so whatever Python does per call
-shows directly in eager latency.  This script times, per call, in a loop whose GPU work is
-kept tiny (cache 1k) so the host is the bottleneck:
-  the whole ``flash_attn_with_kvcache``; the argument checks; ``kernels.decode.decode`` (allocations
-  and launches) with and without programmatic dependent launch; a bare ``torch.empty``; cuDNN SDPA for comparison;
-then prints a cProfile of the whole call.  ``--out FILE`` appends JSON lines.
+A decode step at batch 1 keeps the GPU busy for ~10-20 us, so whatever Python does per call
+shows directly in eager latency.  Each case is timed *GPU-idle-bound*: the GPU work is tiny
+(cache 1k, batch 1), ``calls`` calls are issued back to back and timed on the host, then one
+synchronisation waits for the queue: ``us`` = host seconds per call.  Nothing in the timed
+loop may synchronise, so a case whose call reads values on the host (flashtile's index
+check of tensor lengths, ``cache_seqlens`` as a CUDA tensor) measures that wait too -- the
+int-length rows are the call without it.
+
+Rows (``bench = "decode_host"``), ``mode``:
+* ``kvcache`` / ``kvcache+append`` -- ``flash_attn_with_kvcache`` without / with a one-token
+  append, ``layout`` contiguous or paged16, ``lengths`` int or tensor; ``impl`` flashtile
+  (direct launches), flashtile_ordinary (every launch through ``kernel[grid]``, what the
+  launch layer replaces), sdpa_cudnn / sdpa_flash (SDPA on the whole cache; with an append,
+  the two copies into the cache first);
+* ``func`` -- ``flash_attn_func`` forward at (1, 128, 8, 64) against SDPA (cuDNN, flash).
+
+Then a cProfile of the flashtile append step.  Records go to ``--out`` (a folder; the
+committed results: ``--out benchmarks/results``) as ``decode_host.jsonl``.
+
+    python benchmarks/profile_decode_host.py --out "$OUT"
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ import cProfile
 import io
 import pstats
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,8 +37,9 @@ import flashtile
 from flashtile.bench.common import environment, write_jsonl
 
 
-def per_call_us(fn, calls=3000):
-    for _ in range(50):
+def per_call_us(fn, calls=2000, warmup=50):
+    """Host microseconds per call, ``calls`` calls issued back to back, then one sync."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -34,79 +50,136 @@ def per_call_us(fn, calls=3000):
     return host
 
 
+class ordinary_launches:
+    """Every Triton launch through ``kernel[grid](...)`` inside the block (the launch layer's
+    interpreter rule, which makes it dispatch the ordinary way)."""
+
+    def __enter__(self):
+        from flashtile.kernels import launch
+
+        self.launch, self.saved = launch, launch.INTERPRET
+        launch.INTERPRET = True
+
+    def __exit__(self, *exc):
+        self.launch.INTERPRET = self.saved
+
+
+def kvcache_cases(batch, cache, nheads, nheads_k, d, dtype):
+    """``(record fields, fn)`` for every decode case."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashtile.bench.decode import _paged
+
+    dev = "cuda"
+    q = torch.randn(batch, 1, nheads, d, device=dev, dtype=dtype)
+    kc = torch.randn(batch, cache, nheads_k, d, device=dev, dtype=dtype)
+    vc = torch.randn_like(kc)
+    knew, vnew = (torch.randn(batch, 1, nheads_k, d, device=dev, dtype=dtype) for _ in range(2))
+    kp, vp, table = _paged(kc, vc, 16, torch.Generator().manual_seed(0))
+    length = cache - 1  # room for the appended key
+    lengths = torch.full((batch,), length, dtype=torch.int32, device=dev)
+    for layout in ("contiguous", "paged16"):
+        k_cache, v_cache, bt = (kc, vc, None) if layout == "contiguous" else (kp, vp, table)
+        for append in (False, True):
+            for seqlens in (length, lengths):
+                new = (knew, vnew) if append else (None, None)
+
+                def fn(k_cache=k_cache, v_cache=v_cache, bt=bt, new=new, seqlens=seqlens):
+                    return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens,
+                                                             block_table=bt)
+
+                fields = dict(mode="kvcache+append" if append else "kvcache", layout=layout,
+                              lengths="int" if isinstance(seqlens, int) else "tensor")
+                yield dict(fields, impl="flashtile"), fn
+
+                def ordinary(fn=fn):
+                    with ordinary_launches():
+                        return fn()
+
+                yield dict(fields, impl="flashtile_ordinary"), ordinary
+    qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    for impl, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        for append in (False, True):
+            def sdpa(backend=backend, append=append):
+                if append:
+                    kc[:, length:length + 1] = knew
+                    vc[:, length:length + 1] = vnew
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+            yield dict(mode="kvcache+append" if append else "kvcache", layout="contiguous", lengths="none",
+                       impl=impl), sdpa
+
+
+def func_cases(batch, seqlen, nheads, d, dtype):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=dtype) for _ in range(3))
+    yield dict(impl="flashtile"), lambda: flashtile.flash_attn_func(q, k, v)
+
+    def ordinary():
+        with ordinary_launches():
+            return flashtile.flash_attn_func(q, k, v)
+
+    yield dict(impl="flashtile_ordinary"), ordinary
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    for impl, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt)
+
+        yield dict(impl=impl), sdpa
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=int, default=1024)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--out", default=None, help="folder for decode_host.jsonl (default: print only)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of the append step")
     args = ap.parse_args()
-    import os
-
-    from flashtile.kernels import decode as kd
-    from flashtile.kvcache import _validate
-    from flashtile.ops.validation import check_attention_scalars, check_qkv_agree
 
     torch.manual_seed(0)
-    dev = "cuda"
-    batch, nheads, nheads_k, d = 1, 32, 4, 128
-    q = torch.randn(batch, 1, nheads, d, device=dev, dtype=torch.bfloat16)
-    kc = torch.randn(batch, args.cache, nheads_k, d, device=dev, dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    seqlens = torch.full((batch,), args.cache, dtype=torch.int32, device=dev)
-    scale = d ** -0.5
-
-    def no_pdl():
-        os.environ[kd.TUNING_ENV] = "pdl=0"
-        try:
-            return kd.decode(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0)
-        finally:
-            del os.environ[kd.TUNING_ENV]
-
-    def checks():
-        _validate(q, kc, vc, None, None, seqlens, None, None)
-        check_qkv_agree(q, kc, vc, "k_cache", "v_cache")
-        check_attention_scalars(d, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0)
-
-    pieces = {
-        "flash_attn_with_kvcache": lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens),
-        "flash_attn_with_kvcache_int_len": lambda: flashtile.flash_attn_with_kvcache(q, kc, vc,
-                                                                                      cache_seqlens=args.cache),
-        "checks": checks,
-        "decode": lambda: kd.decode(q, kc, vc, seqlens, None, None, scale, -1, -1, 0.0, None, 0),
-        "decode_no_pdl": no_pdl,
-        "torch_empty": lambda: torch.empty((16, 1, 1, 32, 128), device=dev, dtype=torch.float32),
-        "sdpa_cudnn": None,
-    }
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-    pieces["sdpa_cudnn"] = cudnn
-
-    env = environment()
+    dtype = torch.bfloat16
+    env = environment("cuda")
+    nheads, nheads_k, d = 32, 4, 128
+    shape = dict(batch=args.batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=1, seqlen_k=args.cache, headdim=d)
     records = []
-    for name, fn in pieces.items():
+    cases = [(dict(shape, **fields), fn) for fields, fn in kvcache_cases(args.batch, args.cache, nheads, nheads_k, d,
+                                                                         dtype)]
+    tiny = dict(batch=1, nheads=8, nheads_k=8, seqlen_q=128, seqlen_k=128, headdim=64)
+    cases += [(dict(tiny, mode="func", layout="dense", lengths="none", **fields), fn)
+              for fields, fn in func_cases(1, 128, 8, 64, dtype)]
+    print(f"{'mode':15s} {'layout':10s} {'lengths':7s} {'impl':20s} host us/call")
+    for fields, fn in cases:
         try:
-            us = per_call_us(fn)
-        except Exception as e:  # a peer missing on this machine must not stop the rest
-            print(f"{name}: {type(e).__name__}: {e}")
+            us = per_call_us(fn, calls=args.calls)
+        except Exception as e:  # noqa: BLE001 - a peer missing on this machine must not stop the rest
+            print(f"{fields['mode']:15s} {fields['layout']:10s} {fields['lengths']:7s} {fields['impl']:20s} "
+                  f"{type(e).__name__}: {str(e)[:120]}")
+            records.append(dict(bench="decode_host", dtype="bfloat16", **fields, us=None,
+                                skipped=f"{type(e).__name__}: {str(e)[:200]}", **env))
             continue
-        print(f"{name:34s} {us:8.1f} us/call (host)")
-        records.append(dict(bench="decode_host", impl=name, batch=batch, nheads=nheads, nheads_k=nheads_k,
-                            seqlen_q=1, seqlen_k=args.cache, headdim=d, dtype="bfloat16", host_us=us, **env))
-    prof = cProfile.Profile()
-    fn = pieces["flash_attn_with_kvcache"]
-    prof.enable()
-    for _ in range(2000):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    print(s.getvalue())
+        print(f"{fields['mode']:15s} {fields['layout']:10s} {fields['lengths']:7s} {fields['impl']:20s} {us:8.1f}")
+        records.append(dict(bench="decode_host", dtype="bfloat16", **fields, us=us, **env))
     if args.out:
-        write_jsonl(args.out, records)
+        path = write_jsonl(Path(args.out) / "decode_host.jsonl", records)
+        print(f"{len(records)} records appended to {path}")
+    if not args.no_profile:
+        fn = next(fn for fields, fn in cases if fields["impl"] == "flashtile" and fields["mode"] == "kvcache+append"
+                  and fields["layout"] == "contiguous" and fields["lengths"] == "int")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(1000):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        print(s.getvalue())
 
 
 if __name__ == "__main__":

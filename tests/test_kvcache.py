@@ -600,6 +600,8 @@ def test_long_query_groups_run_in_several_row_tiles(paged, monkeypatch):
     from flashtile.kernels import decode as kd
 
     monkeypatch.setattr(kd, "MAX_TILE_ELEMENTS", 16 * 32)  # 16-row tiles at d = 32
+    # Configs are cached per shape: computed afresh here, from the patched constant.
+    monkeypatch.setattr(kd, "cached_launch_config", kd.cached_launch_config.__wrapped__)
     q, kc, vc, table = _case(2, 7, 6, 1, 32, 80, 16 if paged else None, seed=50, device=DEVICE)
     lengths = torch.tensor([80, 33], dtype=torch.int32, device=DEVICE)
     assert kd.launch_config(2, 1, 80, q.device, paged, 32, 42, 4).block_m == 16
