@@ -81,22 +81,30 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table):
     v_cache[idx, rows] = v.to(v_cache.dtype)
 
 
-def _rotate(q, k, cos, sin, interleaved, cache_seqlens, local):
-    """(q, k) with the rotary embedding at their cache positions (see flash_attn_with_kvcache)."""
-    from flashtile.rotary import apply_rotary_emb
+def _rotate(q, k, cos, sin, interleaved, cache_seqlens, local, fuse_k=False):
+    """(q, k, rotary of the append) with the rotary embedding at their cache positions (see
+    flash_attn_with_kvcache).  With ``fuse_k`` the new keys are only checked here and
+    rotated by the append kernel on their way into the cache: the third value is what it
+    needs (``cos, sin, interleaved``), else ``None``."""
+    from flashtile.rotary import apply_rotary_emb, check_rotary_arguments
 
     if cos is None or sin is None:
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if not isinstance(interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(interleaved).__name__}")
-    if k is not None:
+    fused = None
+    if k is not None and fuse_k:
+        check_rotary_arguments(k, cos, sin, interleaved, False, cache_seqlens, None, None)
+        fused = (cos, sin, interleaved)
+    elif k is not None:
         k = apply_rotary_emb(k, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens)
     if local:
-        return apply_rotary_emb(q, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens), k
+        return apply_rotary_emb(q, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens), k, fused
     # Every query row at position cache_seqlens[b]: the rows become one position's heads.
     batch, seqlen_q, nheads, d = q.shape
     flat = q.reshape(batch, 1, seqlen_q * nheads, d)
-    return apply_rotary_emb(flat, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens).reshape(q.shape), k
+    q = apply_rotary_emb(flat, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens).reshape(q.shape)
+    return q, k, fused
 
 
 def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes,
@@ -126,8 +134,10 @@ def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
 
 
 def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, left, right, softcap,
-                 alibi_slopes, num_splits, leftpad=None):
-    """The append (if ``k`` is given) and the attention, on checked arguments, in the kernels.
+                 alibi_slopes, num_splits, leftpad=None, rotary=None):
+    """The append (if ``k`` is given; rotated on the way with ``rotary``, see
+    :func:`flashtile.kernels.decode.append_kv`) and the attention, on checked arguments, in
+    the kernels.
 
     A decoding step lasts microseconds on the GPU, so nothing but the kernels is launched:
     index tensors go to them as they are (int32 or int64), one int length for every sequence
@@ -138,7 +148,7 @@ def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bloc
 
         seqlen_new = k.shape[1]
         with torch.no_grad():
-            append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+            append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=rotary)
     return _attend_triton(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, scale, left, right,
                           softcap, alibi_slopes, num_splits, leftpad=leftpad, seqlen_new=seqlen_new)
 
@@ -218,16 +228,21 @@ def flash_attn_with_kvcache(
                                cache_rows=k_cache.shape[0], cache_leftpad=cache_leftpad)
     if seqlen_new == 0:
         k = v = None  # nothing to write: an empty append is no append
+    rotary_k = None
     if rotary_cos is not None or rotary_sin is not None:
         # Checked (apply_rotary_emb validates before computing) and computed before the
         # append, so a bad table changes nothing in the cache.
+        # On a GPU the append kernel rotates the new keys as it writes them (one launch
+        # fewer); the tables are checked here all the same.
         positions = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
-        q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions,
-                       local=params.window_left >= 0 or params.window_right >= 0)
+        q, k, rotary_k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions,
+                                 local=params.window_left >= 0 or params.window_right >= 0, fuse_k=q.is_cuda)
+        if rotary_k is not None:
+            rotary_k += (cache_leftpad,)
     args = (params.softmax_scale, params.window_left, params.window_right, params.softcap, alibi_slopes)
     if q.is_cuda:
         out, lse = _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, *args,
-                                num_splits, leftpad=cache_leftpad)
+                                num_splits, leftpad=cache_leftpad, rotary=rotary_k)
         return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)

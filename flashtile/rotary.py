@@ -132,11 +132,13 @@ def apply_rotary_emb(
     CPU tensors; a CUDA offset tensor is not read on the host (no synchronisation), and the
     kernel leaves a token whose position is past the table unrotated.
     """
-    _check_arguments(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+    check_rotary_arguments(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
     return _ApplyRotaryEmb.apply(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
 
 
-def _check_arguments(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
+def check_rotary_arguments(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
+    """``apply_rotary_emb``'s checks, for callers that rotate inside another kernel (the
+    KV-cache append): a bad argument raises before anything is computed or written."""
     varlen = cu_seqlens is not None
     layout = "(total, nheads, headdim) with cu_seqlens" if varlen else "(batch, seqlen, nheads, headdim)"
     if not isinstance(x, torch.Tensor):

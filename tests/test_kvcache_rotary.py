@@ -123,3 +123,52 @@ def test_rotary_needs_both_tables_and_a_bad_table_writes_nothing():
                                           cache_seqlens=seqlens, rotary_cos=c["cos"], rotary_sin=c["sin"],
                                           rotary_interleaved=1)
     assert torch.equal(c["k_store"], before), "a refused call appends nothing"
+
+
+# The append kernel rotates the new keys itself on a GPU (one launch fewer): in the
+# interpreter it must write exactly what apply_rotary_emb followed by the plain append writes.
+_needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available()
+                                         or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
+                                    reason="needs a GPU or the interpreter")
+
+
+@_needs_kernels
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("lengths", ["int", "tensor", "leftpad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_kernel_rotation_writes_what_the_rotary_kernel_writes(interleaved, rotary_fraction, paged, lengths,
+                                                                    dtype):
+    from flashtile.kernels.decode import append_kv
+    from flashtile.kernels.rotary import rotate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    batch, seqlen_new, nheads_k, d, capacity = 2, 3, 2, 40, 32
+    k_new, v_new = (torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(device, dtype) for _ in range(2))
+    k_new[0, 1, 0, 3] = float("inf")  # an unrotated feature keeps it, a rotated one its pair's rule
+    rotary_dim = int(d * rotary_fraction) // 2 * 2
+    # 30 table rows: the last new key of sequence 1 (position 29 + 2 - 1 = 30) lies past them: unrotated.
+    angles = torch.rand(30, rotary_dim // 2, generator=g) * 6.0
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    if paged:
+        page, pages = 8, capacity // 8
+        k_cache, v_cache = (torch.randn(batch * pages, page, nheads_k, d, generator=g).to(device, dtype)
+                            for _ in range(2))
+        table = torch.arange(batch * pages, dtype=torch.int32).flip(0).reshape(batch, pages).to(device)
+    else:
+        k_cache, v_cache = (torch.randn(batch, capacity, nheads_k, d, generator=g).to(device, dtype) for _ in range(2))
+        table = None
+    seqlens = 5 if lengths == "int" else torch.tensor([5, 29], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([2, 0], dtype=torch.int32, device=device) if lengths == "leftpad" else None
+    positions = seqlens if leftpad is None else seqlens - leftpad
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    # The rotary kernel itself (apply_rotary_emb would reject the position past the table).
+    rotated = rotate(k_new, cos, sin, torch.empty_like(k_new), interleaved=interleaved, conjugate=False,
+                     seqlen_offsets=positions, cu_seqlens=None, max_seqlen=None)
+    append_kv(want_k, want_v, rotated, v_new, seqlens, None, table)
+    append_kv(k_cache, v_cache, k_new, v_new, seqlens, None, table, rotary=(cos, sin, interleaved, leftpad))
+    assert torch.equal(v_cache, want_v)
+    assert torch.equal(k_cache.isnan(), want_k.isnan())
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())

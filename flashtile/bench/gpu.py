@@ -20,6 +20,7 @@ for the backward and 3.5 for forward + backward.  Timings are medians from
 from __future__ import annotations
 
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -53,18 +54,10 @@ def impl_fn(impl: str, causal: bool, headdim: int):
         return lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal)
     if impl == "flashtile_triton":
         import flashtile
-        from flashtile.kernels.engine import ENGINE_ENV
 
         def on_triton(q, k, v):
-            saved = os.environ.get(ENGINE_ENV)
-            os.environ[ENGINE_ENV] = "triton"
-            try:
+            with engine_for(impl):
                 return flashtile.flash_attn_func(q, k, v, causal=causal)
-            finally:
-                if saved is None:
-                    del os.environ[ENGINE_ENV]
-                else:
-                    os.environ[ENGINE_ENV] = saved
 
         return on_triton
     if impl.startswith("sdpa_"):
@@ -113,6 +106,25 @@ def impl_fn(impl: str, causal: bool, headdim: int):
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)}")
 
 
+@contextlib.contextmanager
+def engine_for(impl: str):
+    """``FLASHTILE_ENGINE=triton`` for ``flashtile_triton`` (forward and backward alike), nothing else otherwise."""
+    from flashtile.kernels.engine import ENGINE_ENV
+
+    if impl != "flashtile_triton":
+        yield
+        return
+    saved = os.environ.get(ENGINE_ENV)
+    os.environ[ENGINE_ENV] = "triton"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[ENGINE_ENV]
+        else:
+            os.environ[ENGINE_ENV] = saved
+
+
 def time_attention(fn, mode, q, k, v):
     """Median milliseconds of ``fn(q, k, v)`` (``mode`` "fwd") or of its forward + backward."""
     import triton
@@ -130,13 +142,14 @@ def time_attention(fn, mode, q, k, v):
 
 
 def _engine_field(impl, q, k) -> dict:
-    """``{"path": "gluon" | "triton"}`` for flashtile's records: which engine the forward ran on."""
+    """``{"path": ..., "bwd_path": ...}`` for flashtile's records: which engine ("gluon" or
+    "triton") the forward and the backward ran on."""
     if impl == "flashtile":
-        from flashtile.kernels.engine import forward_engine
+        from flashtile.kernels.engine import backward_engine, forward_engine
 
-        return {"path": forward_engine(q, k)}
+        return {"path": forward_engine(q, k), "bwd_path": backward_engine(q, k)}
     if impl == "flashtile_triton":
-        return {"path": "triton"}
+        return {"path": "triton", "bwd_path": "triton"}
     return {}
 
 
@@ -200,7 +213,8 @@ def run_gpu_benchmark(
         gen = torch.Generator(device="cuda").manual_seed(seqlen)
         q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
         try:
-            ms = time_attention(fns[key], mode, q, k, v)
+            with engine_for(impl):
+                ms = time_attention(fns[key], mode, q, k, v)
         except Exception as e:  # noqa: BLE001 - a peer without support for a shape is recorded, not fatal
             records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
@@ -222,7 +236,9 @@ def run_gpu_benchmark(
                     records.append(dict(rec, peak_extra_bytes=None, skipped="scores would not fit"))
                     continue
                 try:
-                    records.append(dict(rec, peak_extra_bytes=peak_extra_memory(impl, causal, 1, seqlen, nheads, headdim, dtype)))
+                    with engine_for(impl):
+                        peak = peak_extra_memory(impl, causal, 1, seqlen, nheads, headdim, dtype)
+                    records.append(dict(rec, peak_extra_bytes=peak))
                 except Exception as e:  # noqa: BLE001
                     records.append(dict(rec, peak_extra_bytes=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 torch.cuda.empty_cache()

@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import forward_engine
+from flashtile.kernels.engine import backward_engine, forward_engine
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 from flashtile.kernels.online_softmax import (
     LOG2E,
@@ -601,7 +601,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
 
 
 def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-              softcap, alibi_slopes, dropout):
+              softcap, alibi_slopes, dropout, deterministic):
     d = q.shape[-1]
     hd = padded_headdim(d)
     cfg_kv, cfg_q = configs or bwd_config(hd, q.dtype, window_right >= 0)
@@ -624,6 +624,12 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         *o_strides, *do_strides, layout.rows_q, layout.seqlen_q, nheads, d,
         HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd,
     )
+    if configs is None and backward_engine(q, k, dropout, softcap, alibi_slopes, deterministic) == "gluon":
+        from flashtile.kernels.hopper import attention_bwd
+
+        dq_, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, softmax_scale,
+                                               window_left, window_right)
+        return _unpad(dq_, d), _unpad(dk_, d), _unpad(dv_, d)
 
     dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
@@ -670,10 +676,11 @@ def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, c
 
 def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, window_right=-1,
                        deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None, dropout=None):
-    """Backward: preprocess, dK/dV and dQ kernels, bitwise deterministic whatever
-    ``deterministic`` says (no atomics)."""
+    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added with atomics) or the
+    ``tl.*`` dK/dV and dQ kernels (no atomics: bitwise reproducible), the latter always when
+    ``deterministic``."""
     return _backward(Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
-                     configs, softcap, alibi_slopes, dropout)
+                     configs, softcap, alibi_slopes, dropout, deterministic)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
@@ -696,7 +703,7 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k=None, configs=None, dropout=None, deterministic=False):
     layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *_max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-                     softcap, alibi_slopes, dropout)
+                     softcap, alibi_slopes, dropout, deterministic)
 
 
 def _max_seqlens(cu_q, cu_k, max_q, max_k):

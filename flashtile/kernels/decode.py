@@ -460,19 +460,29 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
 
 @triton.jit
 def _append_kv(
-    K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE,
+    K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE, COS, SIN, LEFTPAD,
+    stride_cos_p, stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro, half_rotary,
     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt, stride_btc,
     batch, seqlen_new, nheads_k, headdim, capacity, cache_rows, seqlen_all,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
 ):
     """New keys / values ``BLOCK_T`` positions of one sequence (grid: batch, position tiles) at
     ``SEQLENS[b] ...`` (or ``seqlen_all ...`` for every sequence without ``HAS_SEQLENS``).  Every program first checks the index values of the *whole* batch --
     lengths in ``[0, capacity - seqlen_new]``, cache rows and the pages that receive keys in
     ``[0, cache_rows)`` -- and writes nothing unless all are valid: a launch with a bad value
     (possible only where the host could not read them, in CUDA-graph capture) changes nothing
-    and touches nothing out of bounds."""
+    and touches nothing out of bounds.
+
+    With ``ROTARY`` the new keys are rotated on their way into the cache (the rule of
+    :mod:`flashtile.kernels.rotary`: the first ``2 * half_rotary`` features in pairs, at
+    rotary position ``SEQLENS[b] + t``, less ``LEFTPAD[b]`` with ``HAS_LEFTPAD``; a position
+    outside the ``seqlen_ro`` rows of the tables is left unrotated).  Each feature is
+    combined with its pair partner, loaded a second time in partner order, so the tile
+    stays one ``(BLOCK_T, HEAD_DIM)`` block: ``out = x * cos + partner * (+-sin)``, in
+    float32, rounded once."""
     b = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     b_ok = offs_b < batch
@@ -512,9 +522,38 @@ def _append_kv(
     idx = tl.where(t_ok, idx, 0)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = t_ok[:, None] & (offs_d < headdim)[None, :]
+    if ROTARY:
+        rot_pos = pos
+        if HAS_LEFTPAD:
+            rot_pos = pos - tl.load(LEFTPAD + b).to(tl.int64)
+        rotated = offs_d < 2 * half_rotary
+        if INTERLEAVED:
+            # Pair k is features (2k, 2k + 1): out_2k = x_2k cos - x_2k+1 sin, out_2k+1 = x_2k+1 cos + x_2k sin.
+            pair = offs_d // 2
+            partner = offs_d ^ 1
+            sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+        else:
+            # Pair k is features (k, k + half_rotary).
+            first = offs_d < half_rotary
+            pair = tl.where(first, offs_d, offs_d - half_rotary)
+            partner = tl.where(first, offs_d + half_rotary, offs_d - half_rotary)
+            sign = tl.where(first, -1.0, 1.0)
+        partner = tl.where(rotated, partner, offs_d)
+        angle_ok = (t_ok & (rot_pos >= 0) & (rot_pos < seqlen_ro))[:, None] & rotated[None, :]
+        cos = tl.load(COS + rot_pos[:, None] * stride_cos_p + pair[None, :] * stride_cos_k, mask=angle_ok,
+                      other=1.0).to(tl.float32)
+        sin = tl.load(SIN + rot_pos[:, None] * stride_sin_p + pair[None, :] * stride_sin_k, mask=angle_ok,
+                      other=0.0).to(tl.float32) * sign[None, :]
     for h in range(nheads_k):
-        kn = tl.load(K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + h * stride_knh
-                     + offs_d[None, :], mask=mask, other=0.0)
+        k_row = K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + h * stride_knh
+        kn = tl.load(k_row + offs_d[None, :], mask=mask, other=0.0)
+        if ROTARY:
+            kp = tl.load(k_row + partner[None, :], mask=mask, other=0.0)
+            # Unrotated features keep their value as it is (x * 1 + partner * 0 would turn an
+            # inf partner into NaN).
+            # Rounded to k's dtype, then to the cache's: what apply_rotary_emb + the append store.
+            kn = tl.where(angle_ok, kn.to(tl.float32) * cos + kp.to(tl.float32) * sin,
+                          kn.to(tl.float32) * cos + kp.to(tl.float32) * sin).to(K_NEW.dtype.element_ty)
         vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + h * stride_vnh
                      + offs_d[None, :], mask=mask, other=0.0)
         tl.store(K_CACHE + (idx * stride_kb + row * stride_kn)[:, None] + h * stride_kh + offs_d[None, :],
@@ -523,11 +562,15 @@ def _append_kv(
                  vn.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
-def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=None):
     """Write ``k``, ``v`` ``(batch, seqlen_new, nheads_k, d)`` into the cache at positions
     ``cache_seqlens[b] ...`` (an int32 / int64 ``(batch,)`` tensor, or one int for every
     sequence) in place: one launch (the torch equivalent is two scatters and the index
-    arithmetic before them), nothing written unless every index is valid."""
+    arithmetic before them), nothing written unless every index is valid.
+
+    ``rotary``: ``None`` or ``(cos, sin, interleaved, cache_leftpad)`` (checked by the caller:
+    :func:`flashtile.rotary.check_rotary_arguments`): ``k`` is written rotated at rotary
+    positions ``cache_seqlens[b] - cache_leftpad[b] + t`` (``cache_leftpad`` may be ``None``)."""
     batch, seqlen_new, nheads_k, d = k.shape
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
@@ -537,12 +580,23 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         cache_seqlens = cache_seqlens.contiguous()
     if cache_batch_idx is not None:
         cache_batch_idx = cache_batch_idx.contiguous()
+    cos = sin = leftpad = None
+    interleaved = False
+    if rotary is not None:
+        cos, sin, interleaved, leftpad = rotary
+        if leftpad is not None:
+            leftpad = leftpad.contiguous()
     block_t = min(64, max(1, next_power_of_2(seqlen_new)))
     placeholder = k  # for pointer arguments the kernel does not read
     launch(_append_kv, (batch, cdiv(seqlen_new, block_t)), (
         k, v, k_cache, v_cache, cache_seqlens if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder,
+        cos if cos is not None else placeholder, sin if sin is not None else placeholder,
+        leftpad if leftpad is not None else placeholder,
+        cos.stride(0) if cos is not None else 0, cos.stride(1) if cos is not None else 0,
+        sin.stride(0) if sin is not None else 0, sin.stride(1) if sin is not None else 0,
+        cos.shape[0] if cos is not None else 0, cos.shape[1] if cos is not None else 0,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
@@ -550,5 +604,6 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     ), dict(
         HEAD_DIM=next_power_of_2(d), BLOCK_T=block_t, BLOCK_B=max(2, next_power_of_2(batch)),
         BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)), PAGED=paged, PAGE_SIZE=page_size,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_SEQLENS=has_seqlens, num_warps=4,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_SEQLENS=has_seqlens, ROTARY=cos is not None,
+        INTERLEAVED=interleaved, HAS_LEFTPAD=leftpad is not None, num_warps=4,
     ))

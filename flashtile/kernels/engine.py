@@ -33,6 +33,8 @@ ENGINES = ("auto", "gluon", "triton")
 # it 65-256 only: at 64 and below neither engine is ahead beyond noise (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
 GLUON_AUTO_MIN_HEADDIM = 65
+# The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128.
+GLUON_BACKWARD_MAX_HEADDIM = 128
 
 
 def requested_engine() -> str:
@@ -93,4 +95,32 @@ def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: floa
         return "gluon"
     if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon forward cannot run this call: {reason}")
+    return "triton"
+
+
+def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes,
+                          deterministic: bool) -> str | None:
+    """Why the Gluon backward cannot take this call, or None when it can."""
+    reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes)
+    if reason:
+        return reason.replace("Gluon forward", "Gluon backward")
+    if q.shape[-1] > GLUON_BACKWARD_MAX_HEADDIM:
+        return f"head dim {q.shape[-1]} (the Gluon backward takes up to {GLUON_BACKWARD_MAX_HEADDIM})"
+    if deterministic:
+        return "deterministic=True (the Gluon backward adds dQ with atomics, in no fixed order)"
+    return None
+
+
+def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
+                    deterministic: bool = False) -> str:
+    """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device (the same
+    override as the forward; ``auto`` takes Gluon wherever it can run the call)."""
+    wanted = requested_engine()
+    if wanted == "triton":
+        return "triton"
+    reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes, deterministic)
+    if reason is None:
+        return "gluon"
+    if wanted == "gluon":
+        raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon backward cannot run this call: {reason}")
     return "triton"

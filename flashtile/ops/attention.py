@@ -79,7 +79,7 @@ def attention_backward(
     offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The default kernels are deterministic; ``deterministic`` rules out the experimental atomic dQ.
+    # The Gluon backward adds dQ with atomics; ``deterministic`` sends the call to the ordered ``tl.*`` kernels.
     return _backend(q).attention_backward(
         dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap=softcap,
         alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset), deterministic=deterministic,

@@ -363,7 +363,7 @@ def _nvmma_layout(rows: int, hd: int, torch_dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, hd], gl_dtype)
 
 
-def _descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
     # The shape keeps the true head dim: columns past it read as zeros.
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, hd], _nvmma_layout(rows, hd, t.dtype))
 
@@ -390,8 +390,8 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         return out, lse
     grid = (min(num_items, sm_count(q.device.index)) if cfg.persistent else num_items,)
     _attn_fwd_hopper[grid](
-        layout.tiles(q, cfg.block_m, hd, _descriptor), layout.tiles(k, cfg.block_n, hd, _descriptor),
-        layout.tiles(v, cfg.block_n, hd, _descriptor), out, lse, cu_q, cu_k,
+        layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
+        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k,
         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
         softmax_scale * LOG2E, window_left, window_right, num_items,

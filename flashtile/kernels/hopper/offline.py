@@ -17,6 +17,7 @@ import triton
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 
+from flashtile.kernels.hopper import attention_bwd as bwd
 from flashtile.kernels.hopper import attention_fwd as fwd
 from flashtile.kernels.sass import TARGET, report
 HEAD_DIMS = (64, 128, 256)
@@ -47,6 +48,28 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+
+
+def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
+                     dtype: str = "bf16", config: bwd.HopperBwdConfig | None = None):
+    """The backward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
+    cfg = config or bwd.config_for(hd)
+    fn = bwd._attn_bwd_hopper
+    ints = ("stride_dqb stride_dqm stride_dqh stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k "
+            "max_seqlen_k nheads_k group headdim window_left window_right num_items").split()
+    sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
+           "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
+           "DQ": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32",
+           "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "softmax_scale": "fp32",
+           **{name: "i32" for name in ints}}
+    consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
+              "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen,
+              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_km")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 

@@ -1,9 +1,9 @@
 """The Gluon (Hopper) attention forward against the float64 oracle, on an sm_90 GPU.
 
 Every test forces the engine with ``FLASHTILE_ENGINE=gluon``, so a call the Gluon forward
-cannot take fails instead of silently running the ``tl.*`` kernels.  The backward of these
-calls is the ``tl.*`` backward reading the Gluon forward's LSE, checked too.  Tolerance is
-flash-attn's rule (see ``helpers.assert_close_to_reference``).
+cannot take fails instead of silently running the ``tl.*`` kernels.  The gradients of these
+calls are checked too (``test_attention_bwd.py`` covers the Gluon backward on its own).
+Tolerance is flash-attn's rule (see ``helpers.assert_close_to_reference``).
 """
 
 import pytest
@@ -76,7 +76,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
     *c[:6], "causal" if c[6] else "full", c[7]))
 def test_gluon_forward_matches_reference(case, dtype):
-    _check(*case, dtype=dtype, backward=dtype == torch.bfloat16)
+    # Forcing Gluon forces the backward too, which takes head dims up to 128.
+    _check(*case, dtype=dtype, backward=dtype == torch.bfloat16 and case[5] <= 128)
 
 
 @needs_hopper

@@ -1,0 +1,330 @@
+"""FlashAttention backward for Hopper in Gluon: a TMA producer warp and two consumer warpgroups.
+
+A program owns one ``BLOCK_N = 128``-key tile of one (batch, kv head) and walks the query
+tiles that see it (``query_tiles``), for every query head of its GQA group, recomputing the
+probabilities from the saved LSE.  Three partitions share shared memory:
+
+* **producer** (1 warp): TMA-loads the key and value tile once, then streams the query and
+  output-gradient tiles (``Q_i``, ``dO_i``, ``BLOCK_M = 64`` rows) through a
+  ``NUM_STAGES``-deep ring; each slot has a *ready* barrier (TMA completion) and an *empty*
+  one (both consumers are done with it).
+* **two consumers** (one warpgroup each): each owns 64 of the 128 keys and keeps its dK and
+  dV rows in fp32 registers for the whole walk.  Per query tile it computes, on asynchronous
+  wgmma, the transposed tiles ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries, so the
+  probabilities are already the A operand of the dV and dK products), then
+  ``P^T = exp2(S^T * scale * log2 e - LSE * log2 e)``, ``dS^T = P^T (dP^T - delta)``,
+  ``dV += P^T dO``, ``dK += dS^T Q`` and this key half's share of ``dQ = dS K``, which it adds
+  into an fp32 workspace with atomics (``dS`` goes through shared memory to be the
+  transposed A operand).
+
+``delta = rowsum(dO * O)`` and the LSE in log2 units (``+inf`` for rows with no visible key, so
+their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and the dQ
+workspace is scaled and cast by the caller.  Masks and tile ranges are flashtile's
+(``flashtile/kernels/masking.py``, ``tile_info.py``), as in the forward.
+
+Query rows past a sequence's end read LSE ``+inf`` and ``delta = 0``: their probabilities and
+``dS`` are 0, and their dQ rows are not written.  Keys past a sequence's end (TMA zeros, or the
+next packed sequence's keys) are masked on every step of the sequence's last key tile, and
+their dK / dV rows are not stored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from flashtile.kernels.hopper.attention_fwd import descriptor
+from flashtile.kernels.masking import band_mask, query_tiles
+from flashtile.kernels.runtime import cdiv
+from flashtile.kernels.tile_info import sequence_bounds
+from flashtile.kernels.tma import padded_headdim
+
+LOG2E = 1.4426950408889634
+# Keys per consumer warpgroup: the M of its wgmmas; a program's key tile is two consumers' keys.
+CONSUMER_KEYS: gl.constexpr = gl.constexpr(64)
+
+
+@gluon.jit
+def _work(pid, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left, window_right,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+          VARLEN: gl.constexpr):
+    """Program ``pid`` -> (b, hk, n0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, key_edge, n_steps).
+
+    With a causal-like mask the first key tiles are seen by the most query tiles: they are
+    dealt first across all heads, so the lightest programs make up the last wave.  A key tile
+    past a packed sequence's end has ``n_steps = -1``: nothing to load, compute or store.
+    """
+    num_n_tiles = gl.cdiv(max_seqlen_k, BLOCK_N)
+    if MASK_RIGHT:
+        heads = num_items // num_n_tiles
+        tile = pid // heads
+        bh = pid % heads
+    else:
+        tile = pid % num_n_tiles
+        bh = pid // num_n_tiles
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    n0 = tile * BLOCK_N
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    lo, full_lo, full_hi, hi = query_tiles(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    n_steps = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
+    if n0 >= seqlen_k:
+        n_steps = -1
+    # The sequence's last key tile: keys past its end must be masked on every step.
+    key_edge = n0 + BLOCK_N > seqlen_k
+    return b, hk, n0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, key_edge, n_steps
+
+
+@gluon.jit
+def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
+              q_ready, q_empty, do_ready, do_empty,
+              CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right, num_items,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+    """K and V once; then per step ``c`` (query head ``c // n_steps``, query tile ``c % n_steps``)
+    Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it."""
+    b, hk, n0, q_start, k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
+        gl.program_id(0), num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
+        window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+    if n_steps >= 0:
+        if VARLEN:
+            b = 0  # packed tensors are one batch entry of the descriptors
+        mbarrier.expect(kv_ready, K_desc.block_type.nbytes + V_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(K_desc, [b, k_start + n0, hk, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(V_desc, [b, k_start + n0, hk, 0], kv_ready, v_smem)
+        for c in range(n_steps * group):
+            h = hk * group + c // n_steps
+            row = q_start + lo + (c % n_steps) * BLOCK_M
+            slot = c % NUM_STAGES
+            # An mbarrier starts with its "previous" phase complete: the first waits pass.
+            free_phase = ((c // NUM_STAGES) & 1) ^ 1
+            mbarrier.wait(q_empty.index(slot), free_phase)
+            mbarrier.expect(q_ready.index(slot), Q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(Q_desc, [b, row, h, 0], q_ready.index(slot), q_bufs.index(slot))
+            mbarrier.wait(do_empty.index(slot), free_phase)
+            mbarrier.expect(do_ready.index(slot), DO_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(DO_desc, [b, row, h, 0], do_ready.index(slot), do_bufs.index(slot))
+
+
+@gluon.jit
+def _store_rows(ptr, base, rows, nrows, stride_row, headdim, x, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
+    """Rows ``rows`` (< ``nrows``) of a ``(rows, HEAD_DIM)`` tile at ``ptr + base``; columns
+    past ``headdim`` are the padded head dim's and are not stored."""
+    # 16-byte stores: each thread writes 8 consecutive columns of a row.
+    VEC: gl.constexpr = 8
+    TPC: gl.constexpr = HEAD_DIM // VEC if HEAD_DIM // VEC < 32 else 32
+    store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPC, TPC], [4, 1], [1, 0])
+    x = gl.convert_layout(x.to(ptr.dtype.element_ty), store_layout)
+    r = rows + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
+    ptrs = ptr + base + gl.expand_dims(r.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, x, mask=gl.expand_dims(r < nrows, 1) & gl.expand_dims(cols < headdim, 0))
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
+              DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+              stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
+              seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
+              window_left, window_right, num_items, key_off,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+    """Keys ``[key_off, key_off + 64)`` of the program's key tile: dK, dV and their dQ share."""
+    KEYS: gl.constexpr = CONSUMER_KEYS
+    dtype: gl.constexpr = q_bufs.dtype
+    # (keys x queries) score tiles, (keys x d) dK / dV, (queries x d) dQ share.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    q_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+
+    b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = _work(
+        gl.program_id(0), num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
+        window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+    if n_steps >= 0:
+        k_h = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(key_off, KEYS, dim=0)
+        v_h = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(key_off, KEYS, dim=0)
+        offs_k = n0 + key_off + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+        mbarrier.wait(kv_ready, 0)
+        for c in range(n_steps * group):
+            h = hk * group + c // n_steps
+            m0 = lo + (c % n_steps) * BLOCK_M
+            slot = c % NUM_STAGES
+            phase = (c // NUM_STAGES) & 1
+            row_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / delta rows
+            # Loaded compactly (one value a thread) and spread over the score layout only
+            # where used, so neither vector holds registers while the GEMMs run.
+            offs_q = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
+            lse2 = gl.load(LSE2 + row_base + offs_q, mask=offs_q < sq, other=float("inf"))
+            delta = gl.load(Delta + row_base + offs_q, mask=offs_q < sq, other=0.0)
+
+            mbarrier.wait(q_ready.index(slot), phase)
+            q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            s_t = warpgroup_mma(k_h, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
+                                use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(slot), phase)
+            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            dp_t = warpgroup_mma(v_h, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
+                                 use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=[s_t])
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(gl.convert_layout(lse2, q_vec), 0))
+            if (m0 < full_lo) | (m0 >= full_hi) | key_edge:
+                offs_q_s = m0 + gl.arange(0, BLOCK_M, layout=q_vec)
+                visible = band_mask(gl.expand_dims(offs_q_s, 0), gl.expand_dims(offs_k, 1), sq, sk,
+                                    window_left, window_right, MASK_LEFT, MASK_RIGHT)
+                p_t = gl.where(visible, p_t, 0.0)
+            dp_t = warpgroup_mma_wait(0, deps=[dp_t])
+            ds_t = (p_t * (dp_t - gl.expand_dims(gl.convert_layout(delta, q_vec), 0))).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
+            # dQ's share needs dS with queries as rows: the transposed read of shared memory.
+            ds_smem.store(ds_t)
+            fence_async_shared()
+            # dK and dV retire first, so their operands' registers are free for dQ's accumulator.
+            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_h, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
+                                                                       layout=acc_layout),
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            rows = m0 + dq_rows
+            dq_base = b.to(gl.int64) * stride_dqb + h * stride_dqh + q_start.to(gl.int64) * stride_dqm
+            ptrs = DQ + dq_base + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(dq_cols, 0)
+            # The workspace is padded to HEAD_DIM columns: no column mask, so the adds vectorise.
+            gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < sq, 1), sem="relaxed")
+
+        kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
+        _store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
+        _store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
+
+
+@gluon.jit
+def _attn_bwd_hopper(
+    Q_desc, K_desc, V_desc, DO_desc, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+    stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
+    window_left, window_right, num_items,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    dtype: gl.constexpr = Q_desc.dtype
+    KEYS: gl.constexpr = CONSUMER_KEYS
+    k_smem = gl.allocate_shared_memory(dtype, K_desc.block_type.shape, K_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + Q_desc.block_type.shape, Q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + DO_desc.block_type.shape, DO_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, KEYS, BLOCK_M], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(do_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_bufs.index(0), kv_ready, q_ready, q_empty, do_ready,
+                     do_empty, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+                     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
+                     seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
+                     window_left, window_right, num_items, 0,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_bufs.index(1), kv_ready, q_ready, q_empty, do_ready,
+                     do_empty, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+                     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
+                     seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
+                     window_left, window_right, num_items, KEYS,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
+        (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
+                     q_ready, q_empty, do_ready, do_empty,
+                     CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
+                     num_items, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------------------
+# Launch configuration and launcher
+# --------------------------------------------------------------------------------------
+
+
+class HopperBwdConfig:
+    """Tiles of the Hopper backward (``BLOCK_N`` is two consumers' keys)."""
+
+    def __init__(self, block_m=64, num_stages=2, consumer_regs=240, producer_regs=24):
+        self.block_n = 2 * CONSUMER_KEYS.value
+        self.block_m, self.num_stages = block_m, num_stages
+        self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
+        # Three warpgroups' worth of warps (the producer's padded to one) share 64K registers.
+        self.maxnreg = (2 * consumer_regs + producer_regs) // 3 // 8 * 8
+
+    def __repr__(self):
+        return (f"HopperBwdConfig(BLOCK_M={self.block_m}, stages={self.num_stages}, "
+                f"regs={self.consumer_regs}/{self.producer_regs})")
+
+
+# dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
+# consumers' budget up to d = 128.
+MAX_HEADDIM = 128
+
+
+@functools.lru_cache(maxsize=None)
+def config_for(head_dim_pad: int) -> HopperBwdConfig:
+    """The tile configuration per padded head dim (alternatives measured in docs/tuning.md)."""
+    return HopperBwdConfig()
+
+
+def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left, window_right, config=None):
+    """dQ, dK, dV of ``layout``'s attention (``flashtile.kernels.attention.Layout``), from the
+    preprocess's ``lse2`` (LSE * log2 e, ``+inf`` on empty rows) and ``delta``.  ``q``, ``k``,
+    ``v``, ``dout`` are the TMA-ready tensors (their last dim may be padded past the true
+    ``headdim``); dK and dV come back shaped like ``k`` and ``v`` (columns past ``headdim``
+    unwritten), dQ at the true head dim."""
+    d = headdim
+    hd = padded_headdim(d)
+    cfg = config or config_for(hd)
+    # fp32 and HEAD_DIM columns wide: the kernel adds whole rows, unmasked, vectorised.
+    dq_acc = torch.zeros((*q.shape[:-1], hd), dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    num_items = cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k
+    if num_items > 0:
+        if layout.varlen:
+            dq_strides = (0, dq_acc.stride(0), dq_acc.stride(1))
+            kv_strides = (0, dk.stride(0), dk.stride(1))
+        else:
+            dq_strides = (dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2))
+            kv_strides = (dk.stride(0), dk.stride(1), dk.stride(2))
+        cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
+        _attn_bwd_hopper[(num_items,)](
+            layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
+            layout.tiles(v, cfg.block_n, hd, descriptor), layout.tiles(dout, cfg.block_m, hd, descriptor),
+            dq_acc, dk, dv, lse2, delta, cu_q, cu_k, *dq_strides, *kv_strides, stride_lb, stride_lh,
+            layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, d,
+            softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
+            HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+            MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
+            CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+            num_warps=4, maxnreg=cfg.maxnreg,
+        )
+    dq = (dq_acc[..., :d] * softmax_scale).to(q.dtype)
+    return dq, dk, dv

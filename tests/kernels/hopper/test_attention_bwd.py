@@ -1,0 +1,128 @@
+"""The Gluon (Hopper) attention backward against the float64 oracle, on an sm_90 GPU.
+
+``FLASHTILE_ENGINE=gluon`` forces both Gluon kernels, so a call the Gluon backward cannot
+take fails instead of silently running the ``tl.*`` kernels.  Gradients follow flash-attn's
+rule (``helpers.assert_close_to_reference``): error against float64 at most twice PyTorch's
+own error in the input dtype, plus a floor.
+"""
+
+import pytest
+import torch
+
+from helpers import assert_close_to_reference, random_like, random_qkv, reference_attention_grads
+
+import flashtile
+
+pytestmark = pytest.mark.gpu
+
+FLOOR = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def _is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
+
+
+@pytest.fixture(autouse=True)
+def _force_gluon(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_ENGINE", "gluon")
+
+
+def _grads(q, k, v, dout, **kw):
+    out = flashtile.flash_attn_func(q, k, v, **kw)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window
+    (1, 1, 1, 1, 1, 64, False, (-1, -1)),
+    (2, 17, 17, 2, 2, 128, False, (-1, -1)),
+    (1, 17, 17, 2, 1, 96, True, (-1, -1)),
+    (1, 1000, 1000, 2, 2, 128, True, (-1, -1)),
+    (1, 1000, 1000, 2, 2, 128, False, (-1, -1)),
+    (1, 4097, 4097, 2, 2, 64, False, (-1, -1)),
+    (2, 1000, 1000, 8, 1, 64, True, (-1, -1)),  # GQA 8:1
+    (1, 128, 1000, 2, 1, 40, False, (-1, -1)),  # Nq < Nk
+    (1, 1000, 130, 4, 2, 128, True, (-1, -1)),  # Nq > Nk: the first 870 rows see nothing
+    (1, 1000, 1000, 2, 2, 128, False, (64, 0)),  # sliding window
+    (1, 700, 900, 2, 1, 96, False, (100, 37)),
+    (3, 1500, 1500, 12, 4, 128, True, (-1, -1)),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
+    *c[:6], "causal" if c[6] else "full", c[7]))
+def test_gluon_backward_matches_reference(case, dtype):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=dtype, device="cuda",
+                         requires_grad=True)
+    kw = dict(causal=causal, window_size=window)
+    dout = random_like(q, seed=1)
+    got = _grads(q, k, v, dout, **kw)
+    ref = reference_attention_grads(q, k, v, dout, **kw)
+    low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
+    for name, g, r64, rlow in zip(("dq", "dk", "dv"), got, ref[2:], low[2:]):
+        assert_close_to_reference(g, r64, rlow, name, atol_floor=FLOOR[dtype])
+
+
+@needs_hopper
+def test_gluon_backward_with_lse_gradient():
+    q, k, v = random_qkv(1, 300, 300, 2, 2, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dout, dlse = random_like(out, seed=1), random_like(lse, seed=2)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    ref = reference_attention_grads(q, k, v, dout, dlse=dlse, causal=True)
+    low = reference_attention_grads(q, k, v, dout, dlse=dlse, upcast=False, causal=True)
+    for name, g, r64, rlow in zip(("dq", "dk", "dv"), got, ref[2:], low[2:]):
+        assert_close_to_reference(g, r64, rlow, name, atol_floor=1e-2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_backward_matches_dense_per_sequence(causal):
+    # Zero-length and one-row sequences, and sequences whose last key tile is partial (so the
+    # next packed sequence's keys sit in it and must stay masked).
+    lens = [0, 1, 17, 300, 1000, 129]
+    q, k, v = random_qkv(1, sum(lens), sum(lens), 4, 2, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t[0].requires_grad_(True) for t in (q, k, v))
+    dout = random_like(q, seed=3)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b, n in enumerate(lens):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if n == 0:
+            continue
+        parts = [t[None, s:e].detach().requires_grad_(True) for t in (q, k, v)]
+        ref = reference_attention_grads(*parts, dout[None, s:e], causal=causal)
+        low = reference_attention_grads(*parts, dout[None, s:e], upcast=False, causal=causal)
+        for name, g, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:], low[2:]):
+            assert_close_to_reference(g[None, s:e], r64, rlow, f"{name} of sequence {b}", atol_floor=1e-2)
+
+
+@needs_hopper
+def test_deterministic_backward_is_bitwise_reproducible(monkeypatch):
+    # deterministic=True is the ordered tl.* path (auto engine): the same bits every run.
+    monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
+    q, k, v = random_qkv(2, 1000, 1000, 4, 2, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dout = random_like(q, seed=1)
+    first = _grads(q, k, v, dout, causal=True, deterministic=True)
+    for _ in range(5):
+        again = _grads(q, k, v, dout, causal=True, deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@needs_hopper
+def test_forcing_gluon_backward_on_unsupported_calls_names_the_reason():
+    q, k, v = random_qkv(1, 64, 64, 1, 1, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    out = flashtile.flash_attn_func(q, k, v, deterministic=True)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        out.sum().backward()
+    q, k, v = random_qkv(1, 64, 64, 1, 1, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    out = flashtile.flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match="head dim"):
+        out.sum().backward()
