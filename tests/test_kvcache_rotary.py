@@ -147,7 +147,9 @@ def test_append_kernel_rotation_writes_what_the_rotary_kernel_writes(interleaved
     g = torch.Generator().manual_seed(3)
     batch, seqlen_new, nheads_k, d, capacity = 2, 3, 2, 40, 32
     k_new, v_new = (torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(device, dtype) for _ in range(2))
-    k_new[0, 1, 0, 3] = float("inf")  # an unrotated feature keeps it, a rotated one its pair's rule
+    # inf: a rotated feature follows the pair rule, an unrotated one (past rotary_dim, or a
+    # position past the table) keeps its value and gives its partner no NaN.
+    k_new[0, 1, 0, 3] = k_new[0, 0, 1, d - 1] = k_new[1, 2, 0, 3] = float("inf")
     rotary_dim = int(d * rotary_fraction) // 2 * 2
     # 30 table rows: the last new key of sequence 1 (position 29 + 2 - 1 = 30) lies past them: unrotated.
     angles = torch.rand(30, rotary_dim // 2, generator=g) * 6.0

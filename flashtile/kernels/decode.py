@@ -553,7 +553,7 @@ def _append_kv(
             # inf partner into NaN).
             # Rounded to k's dtype, then to the cache's: what apply_rotary_emb + the append store.
             kn = tl.where(angle_ok, kn.to(tl.float32) * cos + kp.to(tl.float32) * sin,
-                          kn.to(tl.float32) * cos + kp.to(tl.float32) * sin).to(K_NEW.dtype.element_ty)
+                          kn.to(tl.float32)).to(K_NEW.dtype.element_ty)
         vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + h * stride_vnh
                      + offs_d[None, :], mask=mask, other=0.0)
         tl.store(K_CACHE + (idx * stride_kb + row * stride_kn)[:, None] + h * stride_kh + offs_d[None, :],

@@ -75,6 +75,9 @@ def _rotary_kernel(
         sin = -sin
     cos = cos[:, None, :]
     sin = sin[:, None, :]
+    # An unrotated token keeps its features as they are (x * 1 - partner * 0 is NaN for an
+    # inf partner).
+    turned = angle_ok[:, None, :]
 
     tokens = (first_token + rows).to(tl.int64)
     token_head_ok = row_ok[:, None, None] & (heads < nheads)[None, :, None]
@@ -88,8 +91,8 @@ def _rotary_kernel(
         mask = token_head_ok & (features < 2 * half_rotary)[None, None, :]
         x = tl.load(x_tile + features[None, None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_H, BLOCK_K, 2]))
-        out1 = x1 * cos - x2 * sin
-        out2 = x1 * sin + x2 * cos
+        out1 = tl.where(turned, x1 * cos - x2 * sin, x1)
+        out2 = tl.where(turned, x1 * sin + x2 * cos, x2)
         out = tl.reshape(tl.join(out1, out2), [BLOCK_M, BLOCK_H, 2 * BLOCK_K])
         tl.store(out_tile + features[None, None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=mask)
     else:
@@ -99,8 +102,8 @@ def _rotary_kernel(
         second = first + half_rotary
         x1 = tl.load(x_tile + first * stride_xd, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_tile + second * stride_xd, mask=mask, other=0.0).to(tl.float32)
-        out1 = x1 * cos - x2 * sin
-        out2 = x1 * sin + x2 * cos
+        out1 = tl.where(turned, x1 * cos - x2 * sin, x1)
+        out2 = tl.where(turned, x1 * sin + x2 * cos, x2)
         tl.store(out_tile + first * stride_od, out1.to(OUT.dtype.element_ty), mask=mask)
         tl.store(out_tile + second * stride_od, out2.to(OUT.dtype.element_ty), mask=mask)
 
