@@ -7,12 +7,17 @@ import flashtile
 from flashtile.bench.decode import _make_fn
 
 
-@pytest.mark.parametrize("impl", ["flashtile_nosplit", "flashtile_paged16", "flashtile_prefill", "sdpa_math"])
+@pytest.mark.parametrize("impl", ["flashtile_nosplit", "flashtile_paged16", "flashtile_prefill", "flashtile_append",
+                                  "flashtile_rotary_append", "sdpa_math"])
 def test_decode_peers_agree_with_flashtile(impl):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 8, 64, generator=gen)
     k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=gen) for _ in range(2))
     want = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache)
-    got = _make_fn(impl, q, k_cache, v_cache, torch.Generator().manual_seed(1))()
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    fn = _make_fn(impl, q, k_cache, v_cache, torch.Generator().manual_seed(1))
+    for _ in range(2):  # a peer that appends leaves the shared cache as it was, call after call
+        got = fn()
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)

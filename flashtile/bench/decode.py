@@ -20,6 +20,13 @@ Implementations (``impl``):
 * ``flashtile_nosplit`` -- ``num_splits=1``: one program per (sequence, KV head), what
   split-KV is compared with;
 * ``flashtile_prefill`` -- our prefill kernel (``flash_attn_func``) used for decoding;
+* ``flashtile_append`` / ``flashtile_rotary_append`` -- a decoding step with its one-token
+  append (the new key and value written at position ``cache - 1``, then attention over the
+  whole cache), without / with the rotary embedding of q and the new key (``rotary_cos`` /
+  ``rotary_sin`` over the whole head dim).  The appended rows are the cache's last rows and
+  the tables are angle 0 (cos 1, sin 0), so every call rewrites the values already there and
+  the cache, shared with the other peers, stays as it was; the work is that of any angle.
+  Issue 24's bar: rotary + append within 10 % of the plain append at batch >= 8, cache >= 8k;
 * ``sdpa_flash`` / ``sdpa_cudnn`` / ``sdpa_efficient`` / ``sdpa_math`` -- PyTorch SDPA pinned to
   one backend, ``enable_gqa=True``; when a backend refuses GQA, K/V are expanded to all heads
   once, outside the timing (``impl`` gets the suffix ``_expanded``);
@@ -38,7 +45,7 @@ BATCHES = (1, 8, 32, 128)
 CACHES = (1024, 8192, 32768, 131072)
 MAX_TOKENS = 4 * 2**20  # batch * cache cap: 4M tokens = 8 GiB of bf16 K + V at 4 x 128
 IMPLS = ("flashtile", "flashtile_paged16", "flashtile_paged256", "flashtile_nosplit", "flashtile_prefill",
-         "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex")
+         "flashtile_append", "flashtile_rotary_append", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "flex")
 
 
 def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, generator: torch.Generator):
@@ -72,6 +79,16 @@ def _make_fn(impl, q, k_cache, v_cache, generator):
         return lambda: flashtile.flash_attn_with_kvcache(q, kp, vp, block_table=table)
     if impl == "flashtile_prefill":
         return lambda: flashtile.flash_attn_func(q, k_cache, v_cache)
+    if impl in ("flashtile_append", "flashtile_rotary_append"):
+        last = k_cache.shape[1] - 1
+        k_new, v_new = k_cache[:, last:].clone(), v_cache[:, last:].clone()
+        rotary = {}
+        if impl == "flashtile_rotary_append":
+            half = q.shape[-1] // 2
+            rotary = dict(rotary_cos=torch.ones(last + 1, half, device=q.device, dtype=q.dtype),
+                          rotary_sin=torch.zeros(last + 1, half, device=q.device, dtype=q.dtype))
+        return lambda: flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=last,
+                                                         **rotary)
     qh, kh, vh = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     if impl.startswith("sdpa_"):
         backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
