@@ -68,8 +68,8 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
         from flashtile.kernels import decode as kd
         fn = kd._decode_split
         ints = ("stride_ab stride_qb stride_qn stride_qh stride_kb stride_kn stride_kh stride_vb stride_vn stride_vh "
-                "stride_bt stride_ob stride_on stride_oh seqlen_q nheads_k group chunk num_splits seqlen_k_all capacity "
-                "cache_rows window_left window_right")
+                "stride_bt stride_ob stride_on stride_oh seqlen_q nheads_k group chunk num_splits seqlen_k_all "
+                "seqlen_new capacity cache_rows window_left window_right")
         sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "O_PART": "*fp32", "LSE_PART": "*fp32",
                "SEQLENS_K": "*i32", "CACHE_BATCH_IDX": "*i32", "BLOCK_TABLE": "*i32", "LEFTPAD": "*i32", "ALIBI": "*fp32",
                "OUT": f"*{dtype}", "LSE": "*fp32",

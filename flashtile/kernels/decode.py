@@ -38,7 +38,7 @@ from flashtile.kernels.runtime import (
     dot_precision,
     has_programmatic_launch,
     next_power_of_2,
-    parse_tuning,
+    register_family,
     sm_count,
 )
 from flashtile.kernels.tma import padded_headdim
@@ -67,26 +67,23 @@ PROGRAMS_PER_SM_WIDE = 1
 MIN_TILES_PER_SPLIT = 8
 # Programmatic dependent launch of the combine kernel on Hopper (0: an ordinary launch).
 PDL = 1
-TUNING_ENV = "FLASHTILE_DECODE_TUNING"
-KNOBS = {"block_n": "BLOCK_N", "narrow_short_caches": "NARROW_SHORT_CACHES", "block_n_paged": "BLOCK_N_PAGED",
-         "paged_wide_below_splits": "PAGED_WIDE_BELOW_SPLITS", "warps": "WARPS", "stages": "STAGES",
-         "programs_per_sm": "PROGRAMS_PER_SM", "programs_per_sm_wide": "PROGRAMS_PER_SM_WIDE",
-         "min_tiles_per_split": "MIN_TILES_PER_SPLIT", "pdl": "PDL"}
-
-
-def knobs() -> dict:
-    """The knobs in force: the module constants, overridden by ``FLASHTILE_DECODE_TUNING``
-    (``"block_n=64,warps=4"``; benchmarks/tune_decode.py sweeps them on a GPU)."""
-    return _knobs(os.environ.get(TUNING_ENV, ""))
-
-
-@functools.lru_cache(maxsize=8)
-def _knobs(env_text: str) -> dict:
-    # Cached on the override text (the lookup runs on every decoding step): the module
-    # constants are read once, at the first call with that text.
-    current = {name: globals()[const] for name, const in KNOBS.items()}
-    current.update(parse_tuning(TUNING_ENV, env_text, tuple(KNOBS)))
-    return types.MappingProxyType(current)  # shared between calls: read-only
+# The knobs in force: these constants, overridden by ``FLASHTILE_DECODE_TUNING``
+# (``"block_n=64,warps=4"``; benchmarks/tune_decode.py sweeps them on a GPU).
+TUNING = register_family("decode", "FLASHTILE_DECODE_TUNING", {
+    "block_n": (BLOCK_N, "key tile of a contiguous cache (head dims above 128: 32)"),
+    "narrow_short_caches": (NARROW_SHORT_CACHES, "1: 64-key tiles where 128-key ones would leave under half the "
+                            "splits that fill the GPU"),
+    "block_n_paged": (BLOCK_N_PAGED, "key tile of a paged cache"),
+    "paged_wide_below_splits": (PAGED_WIDE_BELOW_SPLITS, "a paged cache takes 128-key tiles below this many splits"),
+    "warps": (WARPS, "num_warps of the split kernel"),
+    "stages": (STAGES, "num_stages of the split kernel (fewer where shared memory runs out)"),
+    "programs_per_sm": (PROGRAMS_PER_SM, "split programs per SM in one wave"),
+    "programs_per_sm_wide": (PROGRAMS_PER_SM_WIDE, "the same with 128-key tiles of a contiguous cache"),
+    "min_tiles_per_split": (MIN_TILES_PER_SPLIT, "key tiles each split keeps at least"),
+    "pdl": (PDL, "1: the combine kernel is a programmatic dependent launch on Hopper"),
+})
+TUNING_ENV = TUNING.env_var
+knobs = TUNING.current
 
 
 @triton.jit
@@ -376,7 +373,7 @@ def cached_launch_config(batch: int, nheads_k: int, capacity: int, device: torch
     """:func:`launch_config` once per shape: a decoding loop repeats one shape for thousands of
     steps, and the rule (split count, shared-memory fit) costs microseconds of Python.  Keyed
     on the ``FLASHTILE_DECODE_TUNING`` text, which selects the knobs."""
-    return launch_config(batch, nheads_k, capacity, device, paged, hd, rows, elt, _knobs(tuning_text))
+    return launch_config(batch, nheads_k, capacity, device, paged, hd, rows, elt, TUNING.parse(tuning_text))
 
 
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
@@ -411,7 +408,7 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     hd = padded_headdim(d)
     tuning_text = os.environ.get(TUNING_ENV, "")
-    knob = _knobs(tuning_text)
+    knob = TUNING.parse(tuning_text)
     group = nheads // nheads_k
     cfg = cached_launch_config(batch, nheads_k, capacity, q.device, paged, hd, group * seqlen_q, q.element_size(),
                                tuning_text)

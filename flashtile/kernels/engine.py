@@ -21,14 +21,18 @@ choice for tests and A/B benchmarks; forcing ``gluon`` on a call it cannot run r
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from flashtile.kernels.runtime import INTERPRET
+from flashtile.kernels.runtime import INTERPRET, Knob, register_family
 
-ENGINE_ENV = "FLASHTILE_ENGINE"
 ENGINES = ("auto", "gluon", "triton")
+ENGINE_KNOBS = register_family("engine", "FLASHTILE_ENGINE", {
+    "engine": Knob("auto", "attention kernels on CUDA: `auto` = the Hopper Gluon kernels where they apply, else the "
+                   "`tl.*` ones; `gluon` / `triton` force one (a call the Gluon kernels cannot run raises)",
+                   choices=ENGINES),
+})
+ENGINE_ENV = ENGINE_KNOBS.env_var
 # The Gluon forward runs head dims 33-256 (forced with FLASHTILE_ENGINE=gluon); auto sends
 # it 65-256 only: at 64 and below neither engine is ahead beyond noise (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
@@ -38,10 +42,7 @@ GLUON_BACKWARD_MAX_HEADDIM = 128
 
 
 def requested_engine() -> str:
-    value = os.environ.get(ENGINE_ENV, "auto").strip().lower() or "auto"
-    if value not in ENGINES:
-        raise ValueError(f"{ENGINE_ENV} must be one of {ENGINES}, got {value!r}")
-    return value
+    return ENGINE_KNOBS.current()["engine"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,16 +40,6 @@ def has_programmatic_launch(device_index: int) -> bool:
 # (``flashtile knobs --markdown``) and a test keeps the two equal.
 
 
-def parse_tuning(env_name: str, text: str, names: tuple[str, ...], float_names: tuple[str, ...] = ()) -> dict:
-    """``"name=value,..."`` (the value of the environment variable ``env_name``) -> the overrides
-    alone, ints unless named in ``float_names``; :meth:`KnobFamily.parse` reads the same text
-    into a family's knobs."""
-    overrides = {}
-    for name, value in _name_value_pairs(env_name, text, names):
-        overrides[name] = float(value) if name in float_names else int(value)
-    return overrides
-
-
 def _name_value_pairs(env_name: str, text: str, names) -> list[tuple[str, str]]:
     pairs = []
     for item in filter(None, (s.strip() for s in text.split(","))):

@@ -10,7 +10,6 @@ from flashtile.kernels.runtime import (
     cdiv,
     knobs_table,
     next_power_of_2,
-    parse_tuning,
     register_family,
 )
 
@@ -23,12 +22,6 @@ def test_integer_helpers_match_triton():
         for b in range(1, 40):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
     assert next_power_of_2(2**40 + 1) == 2**41
-
-
-def test_parse_tuning():
-    assert parse_tuning("ENV", " a=1, b=2.5 ", ("a", "b"), ("b",)) == {"a": 1, "b": 2.5}
-    with pytest.raises(ValueError, match="ENV"):
-        parse_tuning("ENV", "c=1", ("a",))
 
 
 def test_knob_family_overrides_from_its_environment_variable(monkeypatch):
