@@ -1,0 +1,179 @@
+"""flashtile's Python host path per call, measured on a machine without a GPU.
+
+``benchmarks/profile_decode_host.py`` times a decode step on a GPU, where the host time is
+flashtile's Python plus torch's allocations plus Triton's launcher.  This script times the
+first part alone, anywhere: it runs the real Python path of ``flash_attn_with_kvcache`` and
+``flash_attn_func`` -- argument checks, the launch configuration, allocations, the launch
+layer's key and cache look-up -- with only the GPU-side pieces replaced:
+
+* tensors are CPU tensors that claim to be CUDA ones (``torch.Tensor.is_cuda`` is patched to
+  ``True`` for the run, a Python property where torch has a C one: ~0.05 us per use), so
+  every ``is_cuda`` branch takes the GPU path; the device queries flashtile makes
+  (capability, SM count, current device, stream capture) answer as an H200 would;
+* Triton's ordinary launch (``JITFunction.run``) returns a stand-in compiled kernel whose
+  launcher does nothing, and the driver's current device / stream getters are constants.
+  The launch layer (``flashtile.kernels.launch``) runs as it does on a GPU: the first call
+  of a specialisation class goes through the ordinary launch, later ones launch directly.
+
+So ``us`` here is what flashtile's Python costs per call; on a GPU, torch's CUDA allocator
+and Triton's C launcher (a few us per launch) come on top.  Cases (batch 1, cache 1k,
+32 / 4 heads, d = 128, bf16, one query row): ``kvcache`` / ``kvcache+append``, contiguous or
+paged16, int or tensor ``cache_seqlens``; ``func``: ``flash_attn_func`` at (1, 128, 8, 64),
+eager (``torch.no_grad`` and not) and its custom-op dispatch.  Then a cProfile of one case.
+
+    python benchmarks/profile_host_cpu.py [--calls 20000] [--profile kvcache+append] [--json out.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # the compiled-kernel path, not the interpreter's
+
+import torch  # noqa: E402
+
+
+class _StubCompiled:
+    """What the stubbed ordinary launch returns: a compiled kernel whose launcher does nothing."""
+
+    function = 0
+    packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def stubbed_gpu():
+    """CPU tensors on the GPU path, with Triton's launches and the device queries stubbed."""
+    from triton.runtime.jit import JITFunction
+
+    from flashtile.kernels import launch as launch_mod
+    from flashtile.kernels import runtime
+
+    compiled = _StubCompiled()
+
+    class _Props:
+        multi_processor_count = 132
+        major, minor = 9, 0
+
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name)))
+        setattr(obj, name, value)
+
+    patch(torch.Tensor, "is_cuda", property(lambda self: True))
+    patch(JITFunction, "run", lambda self, *args, grid, warmup, **kw: compiled)
+    patch(launch_mod, "_device_functions", (lambda: 0, lambda device: 0))
+    patch(launch_mod, "INTERPRET", False)
+    patch(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    patch(torch.cuda, "get_device_properties", lambda *a: _Props)
+    patch(torch.cuda, "current_device", lambda: 0)
+    patch(torch.cuda, "is_current_stream_capturing", lambda: False)
+    runtime.has_programmatic_launch.cache_clear()
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+        runtime.has_programmatic_launch.cache_clear()
+        launch_mod.clear()
+
+
+_MISSING = object()
+
+
+def cases(batch=1, cache=1024, nheads=32, nheads_k=4, d=128, dtype=torch.bfloat16):
+    """``(name, fn)`` for every case."""
+    import flashtile
+    from flashtile.bench.decode import _paged
+
+    q = torch.randn(batch, 1, nheads, d, dtype=dtype)
+    kc = torch.randn(batch, cache, nheads_k, d, dtype=dtype)
+    vc = torch.randn_like(kc)
+    knew, vnew = (torch.randn(batch, 1, nheads_k, d, dtype=dtype) for _ in range(2))
+    kp, vp, table = _paged(kc, vc, 16, torch.Generator().manual_seed(0))
+    length = cache - 1
+    lengths = torch.full((batch,), length, dtype=torch.int32)
+    for layout in ("contiguous", "paged16"):
+        k_cache, v_cache, bt = (kc, vc, None) if layout == "contiguous" else (kp, vp, table)
+        for append in (False, True):
+            for seqlens in (length, lengths):
+                new = (knew, vnew) if append else (None, None)
+
+                def fn(k_cache=k_cache, v_cache=v_cache, bt=bt, new=new, seqlens=seqlens):
+                    return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens,
+                                                             block_table=bt)
+
+                name = f"{'kvcache+append' if append else 'kvcache'} {layout} {'int' if seqlens is length else 'tensor'}"
+                yield name, fn
+    tq, tk, tv = (torch.randn(1, 128, 8, 64, dtype=dtype) for _ in range(3))
+    yield "func (1,128,8,64)", lambda: flashtile.flash_attn_func(tq, tk, tv)
+
+    def no_grad_func():
+        with torch.no_grad():
+            return flashtile.flash_attn_func(tq, tk, tv)
+
+    yield "func (1,128,8,64) no_grad", no_grad_func
+    gq, gk, gv = (t.clone().requires_grad_() for t in (tq, tk, tv))
+    yield "func (1,128,8,64) requires_grad", lambda: flashtile.flash_attn_func(gq, gk, gv)
+    tq2, tk2, tv2 = (torch.randn(1, 128, 8, 128, dtype=dtype) for _ in range(3))
+    yield "func (1,128,8,128) gluon", lambda: flashtile.flash_attn_func(tq2, tk2, tv2)
+
+
+def per_call_us(fn, calls, repeats=5):
+    """The best of ``repeats`` runs of ``calls`` calls: host microseconds per call."""
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--profile", default="kvcache+append contiguous int",
+                    help="the case to cProfile (a prefix of its name; '' for none)")
+    ap.add_argument("--json", default=None, help="append one JSON record per case to this file")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    with stubbed_gpu():
+        results = []
+        for name, fn in cases():
+            us = per_call_us(fn, args.calls)
+            results.append((name, us, fn))
+            print(f"{name:40s} {us:7.1f} us/call")
+        if args.json:
+            with open(args.json, "a") as f:
+                for name, us, _ in results:
+                    f.write(json.dumps(dict(bench="host_cpu", case=name, us=us)) + "\n")
+        if args.profile:
+            name, _, fn = next(r for r in results if r[0].startswith(args.profile))
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(1000):
+                fn()
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+            print(f"cProfile, 1000 calls of {name}:\n{s.getvalue()}")
+
+
+if __name__ == "__main__":
+    main()
