@@ -39,6 +39,9 @@ cannot hide behind the fallback.
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import attrgetter, itemgetter, or_
+
 import torch
 import triton
 from triton import knobs
@@ -70,15 +73,53 @@ def _arg_class(arg):
     return _UNCLASSIFIED
 
 
+class _Layout:
+    """What one tuple of argument *types* lets the key skip: which arguments are tensors, which
+    ints (the caller's static ones keyed through a memo of their exact values, the dynamic
+    ones classified each call), and whether any argument is of a type the key does not
+    describe.  Found by ``tuple(map(type, args))``, so the per-call work is a few C-level
+    gathers instead of a Python function per argument."""
+
+    __slots__ = ("tensors", "ints", "dynamic", "classified", "int_ids")
+
+    def __init__(self, types, dynamic):
+        tensors, ints, dyn = [], [], []
+        self.classified = True
+        for i, cls in enumerate(types):
+            if cls is int:
+                (dyn if i in dynamic else ints).append(i)
+            elif issubclass(cls, torch.Tensor):
+                tensors.append(i)
+            elif not (cls is float or cls is bool or cls is type(None)):
+                self.classified = False  # a tuple, a numpy scalar, a descriptor: ordinary launches
+        self.tensors = _getter(tensors)
+        self.ints = _getter(ints)
+        self.dynamic = tuple(dyn)
+        # Exact values of the static ints -> their classes (tuple), memoised: in a decoding
+        # loop the shapes and strides repeat, so one dict look-up replaces their classification.
+        self.int_ids = {}
+
+
+def _getter(positions):
+    """A callable returning ``tuple(args[i] for i in positions)`` at C speed."""
+    if len(positions) >= 2:
+        return itemgetter(*positions)
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return lambda args: ()
+
+
 class _KernelCache:
     """One kernel's compiled variants by key, each with the constexpr values that follow the
-    runtime arguments in its signature."""
+    runtime arguments in its signature, and its argument layouts by type tuple."""
 
-    __slots__ = ("kernel", "variants")
+    __slots__ = ("kernel", "variants", "layouts")
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.variants = {}
+        self.layouts = {}
 
     def tail(self, n_args: int, options: dict):
         """The values of the parameters after the first ``n_args``, in signature order, or
@@ -99,6 +140,13 @@ class _KernelCache:
 
 _caches: dict[int, _KernelCache] = {}
 _device_functions = None  # (current device, current stream) getters of the active driver
+# Bounds on the memos (cleared when full): a workload cycling through more shapes than this
+# pays the classification again, nothing else.
+_MAX_LAYOUTS = 64
+_MAX_INT_IDS = 4096
+_MAX_VARIANTS = 1024
+_data_ptr = torch.Tensor.data_ptr
+_dtype = attrgetter("dtype")
 
 
 def _hooks_idle() -> bool:
@@ -113,10 +161,46 @@ def _ordinary(kernel, grid, args, options):
     return kernel[grid](*args, **options)
 
 
-def launch(kernel, grid: tuple, args: tuple, options: dict) -> None:
+def _key(cache, device, args, options, dynamic):
+    """The call's key (see the module doc), or ``None`` when an argument is of a type the key
+    does not describe.  Raises TypeError for an unhashable option value."""
+    types = tuple(map(type, args))
+    layout = cache.layouts.get((types, dynamic))
+    if layout is None:
+        if len(cache.layouts) >= _MAX_LAYOUTS:
+            cache.layouts.clear()
+        layout = cache.layouts[types, dynamic] = _Layout(types, frozenset(dynamic))
+    if not layout.classified:
+        return None
+    ints = layout.ints(args)
+    int_classes = layout.int_ids.get(ints)
+    if int_classes is None:
+        if len(layout.int_ids) >= _MAX_INT_IDS:
+            layout.int_ids.clear()
+        int_classes = layout.int_ids[ints] = tuple(map(_arg_class, ints))
+    tensors = layout.tensors(args)
+    if tensors:
+        # One OR over the addresses: all 16-byte aligned (the usual case) is one class;
+        # otherwise each tensor's alignment is in the key.
+        aligned = True if not reduce(or_, map(_data_ptr, tensors)) & 15 else \
+            tuple(not p & 15 for p in map(_data_ptr, tensors))
+        tensor_classes = (tuple(map(_dtype, tensors)), aligned)
+    else:
+        tensor_classes = None
+    dyn = tuple(_arg_class(args[i]) for i in layout.dynamic) if layout.dynamic else None
+    # The option types too: True == 1 as dict keys, but Triton compiles them apart.
+    return (device, tuple(options.items()), tuple(map(type, options.values())), types, int_classes, dyn,
+            tensor_classes)
+
+
+def launch(kernel, grid: tuple, args: tuple, options: dict, dynamic: tuple = ()) -> None:
     """``kernel[grid](*args, **options)``, launched directly once this call's class has been
     compiled.  ``args``: the runtime arguments, positional, in signature order; ``options``:
-    the constexpr arguments and launch options (``num_warps``, ``num_stages``, ...)."""
+    the constexpr arguments and launch options (``num_warps``, ``num_stages``, ...).
+
+    ``dynamic``: positions in ``args`` of ints that change from call to call (a length that
+    grows every decoding step).  A hint only: those ints are classified on every call, the
+    others through a memo of their exact values; the key is the same either way."""
     if INTERPRET or grid.__class__ is not tuple or not isinstance(kernel, JITFunction) or torch.compiler.is_compiling():
         _ordinary(kernel, grid, args, options)
         return
@@ -127,19 +211,17 @@ def launch(kernel, grid: tuple, args: tuple, options: dict) -> None:
     cache = _caches.get(id(kernel))
     if cache is None or cache.kernel is not kernel:
         cache = _caches[id(kernel)] = _KernelCache(kernel)
-    classes = tuple(map(_arg_class, args))
     device = _device_functions[0]()
     try:
-        # The option types too: True == 1 as dict keys, but Triton compiles them apart.
-        key = (device, tuple(options.items()), tuple(map(type, options.values())), classes)
-        compiled = cache.variants.get(key)
+        key = _key(cache, device, args, options, dynamic)
+        compiled = cache.variants.get(key) if key is not None else None
     except TypeError:  # an unhashable option value: Triton's own key handles it
         _ordinary(kernel, grid, args, options)
         return
     if compiled is None or compiled is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
         returned = _ordinary(kernel, grid, args, options)
-        if compiled is None:
-            _remember(cache, key, classes, returned, len(args), options)
+        if compiled is None and key is not None:
+            _remember(cache, key, returned, len(args), options)
         return
     grid_0, grid_1, grid_2 = (grid + (1, 1))[:3]
     try:
@@ -152,11 +234,13 @@ def launch(kernel, grid: tuple, args: tuple, options: dict) -> None:
         _ordinary(kernel, grid, args, options)
 
 
-def _remember(cache, key, classes, returned, n_args, options):
+def _remember(cache, key, returned, n_args, options):
     """Keep the kernel the ordinary launch used, when a later direct launch can reproduce
     that launch exactly (see the module doc)."""
     tail = cache.tail(n_args, options)
-    if (tail is None or _UNCLASSIFIED in classes or any(v.__class__ is float for v in options.values())
+    if len(cache.variants) >= _MAX_VARIANTS:
+        cache.variants.clear()
+    if (tail is None or any(v.__class__ is float for v in options.values())
             or hasattr(returned, "result") or not hasattr(returned, "packed_metadata")):
         # Ordinary launches for this key: Triton classifies what the key cannot (a float
         # constexpr is keyed by value, and 0.0 == -0.0 compile apart), and an asynchronous

@@ -82,6 +82,28 @@ def test_new_tensors_and_ints_of_one_class_reuse_the_variant(toy):
     assert calls[1][1][:3] == (1, 2, 1)
 
 
+@pytest.mark.parametrize("dynamic", [(), (2,)])
+def test_dynamic_ints_are_a_hint_only(toy, dynamic):
+    """Ints named ``dynamic`` are classified each call, the others through a memo of their
+    exact values: either way a new value of one class reuses the variant and a new class
+    compiles."""
+    kernel, calls = toy
+    x, y = torch.zeros(8), torch.zeros(8)
+    for n in (17, 18, 17, 32, 2**40, 1, 19):
+        launch_mod.launch(kernel, (1,), (x, y, n, 0.5), dict(BLOCK=16), dynamic=dynamic)
+    # 17, 18, 19: one class; 32 (a multiple of 16), 2**40 (i64) and 1 (a constexpr): new ones.
+    assert _kinds(calls) == ["ordinary", "direct", "direct", "ordinary", "ordinary", "ordinary", "direct"]
+
+
+def test_one_misaligned_tensor_among_aligned_ones_is_its_own_class(toy):
+    kernel, calls = toy
+    x, y = torch.zeros(64), torch.zeros(64)
+    # x[4:]: 16 bytes in, aligned; y[1:] and x[2:]: 4 and 8 bytes in.
+    for args in ((x, y), (x, y[1:]), (x[4:], y), (x[4:], y[4:]), (x[4:], y[1:]), (x[2:], y), (x[2:], y[1:])):
+        launch_mod.launch(kernel, (1,), (*args, 40, 0.5), dict(BLOCK=16))
+    assert _kinds(calls) == ["ordinary", "ordinary", "direct", "direct", "direct", "ordinary", "ordinary"]
+
+
 @pytest.mark.parametrize("change", ["misaligned_tensor", "dtype", "int_one", "int_multiple_of_16", "int64",
                                     "float_for_int", "constexpr", "bool_for_int_constexpr", "launch_option"])
 def test_every_change_of_specialisation_class_compiles_through_triton(toy, change):
