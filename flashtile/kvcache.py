@@ -19,9 +19,20 @@ from flashtile.ops.validation import (
     check_index_tensor,
     check_kvcache_cache_layout,
     check_kvcache_index_values,
+    check_kvcache_length,
     check_qkv_agree,
     kvcache_capacity,
 )
+
+# Whether the *values* of index tensors on a GPU (``cache_seqlens``, ``cache_batch_idx``,
+# ``block_table``, ``cache_leftpad``) are read and checked on the host before the launches.
+# Off, as in flash-attn: reading them is a device-to-host copy that waits for the GPU on every
+# decoding step.  Memory safety does not depend on it -- the append kernel writes nothing
+# unless every index of the batch is valid, and the attention kernel clamps lengths into the
+# capacity and drops rows and pages that do not exist (docs/semantics.md, "Index checks") --
+# only the error for a bad value does.  Set it to True to get that ``ValueError`` while
+# debugging (one sync per call).  CPU tensors and int ``cache_seqlens`` are always checked.
+check_device_values = False
 
 
 def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
@@ -224,8 +235,13 @@ def flash_attn_with_kvcache(
     seqlen_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         cache_seqlens = capacity if k is None else 0
-    check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new=seqlen_new, capacity=capacity,
-                               cache_rows=k_cache.shape[0], cache_leftpad=cache_leftpad)
+    if not q.is_cuda or check_device_values:
+        check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new=seqlen_new,
+                                   capacity=capacity, cache_rows=k_cache.shape[0], cache_leftpad=cache_leftpad)
+    elif cache_seqlens.__class__ is int:
+        # An int is checked for free; index *tensors* on a GPU are not read on the host (that
+        # would wait for the GPU every step): the kernels clamp them (see check_device_values).
+        check_kvcache_length(cache_seqlens, seqlen_new, capacity)
     if seqlen_new == 0:
         k = v = None  # nothing to write: an empty append is no append
     rotary_k = None

@@ -658,27 +658,34 @@ def test_gpu_decode_smem_estimate_bounds_the_compiler(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 256])
-def test_gpu_seqlens_beyond_the_block_table_rejected(page_size):
+def test_gpu_seqlens_beyond_the_block_table_clamped(page_size, monkeypatch):
     """Item 8 (flash-attn's test_flash_attn_kvcache_paged_block_table_bounds): cache_seqlens
-    past block_table.shape[1] * page_size, no append, is rejected before any launch; in
-    CUDA-graph capture (no host check) the kernel clamps to the table instead of reading past it."""
+    past block_table.shape[1] * page_size, no append.  Index tensors on a GPU are not read on
+    the host (no sync per step): the kernel clamps the length to the table instead of reading
+    past it.  With ``check_device_values`` the host check raises, naming the entry."""
     q, kc, vc, table = _case(2, 1, 4, 2, 64, 512, page_size, seed=54, dtype=torch.bfloat16, device="cuda")
     capacity = table.shape[1] * page_size
     seqlens = torch.tensor([capacity + page_size, 5], dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match=r"cache_seqlens\[0\]"):
-        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
-    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -1"):
-        bad = table.clone()
-        bad[1, 0] = -1
-        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5, 5], dtype=torch.int32,
-                                                                                device="cuda"), block_table=bad)
-    out, lse = kvcache._attend_triton(q, kc, vc, seqlens, None, table, 0.125, -1, -1, 0.0, None, 0)
-    torch.cuda.synchronize()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                 softmax_scale=0.125, return_lse=True)
     expected = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([capacity, 5], dtype=torch.int32,
                                                  device="cuda"), block_table=table, softmax_scale=0.125,
                                                  return_lse=True)
     torch.testing.assert_close(out, expected[0], atol=0, rtol=0)
     torch.testing.assert_close(lse, expected[1], atol=0, rtol=0)
+    bad = table.clone()
+    bad[1, 0] = -1
+    five = torch.tensor([5, 5], dtype=torch.int32, device="cuda")
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=five, block_table=bad)
+    assert not torch.isnan(out).any()  # the page that does not exist is dropped, nothing read past the cache
+    monkeypatch.setattr(kvcache, "check_device_values", True)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\]"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -1"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=five, block_table=bad)
+    with pytest.raises(ValueError, match=r"cache_seqlens \(\d+\)"):  # an int is checked whatever the setting
+        monkeypatch.setattr(kvcache, "check_device_values", False)
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=capacity + 1, block_table=table)
 
 
 @pytest.mark.gpu

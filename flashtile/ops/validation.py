@@ -365,8 +365,7 @@ def check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, *, s
     ``0 <= cache_leftpad[b] <= cache_seqlens[b]``.
     ``cache_seqlens`` may be a Python int (checked for free)."""
     if isinstance(cache_seqlens, int):
-        if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
-            raise ValueError(_seqlen_message(f"cache_seqlens ({cache_seqlens})", cache_seqlens, seqlen_new, capacity))
+        check_kvcache_length(cache_seqlens, seqlen_new, capacity)
         if cache_batch_idx is None and block_table is None and cache_leftpad is None:
             return
     tensors = [t for t in (cache_seqlens, cache_batch_idx, block_table, cache_leftpad) if isinstance(t, torch.Tensor)]
@@ -417,6 +416,13 @@ def check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, *, s
                 raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} receives appended keys of sequence {b} "
                                  f"but holds other keys too (another sequence, or another block of this one, maps "
                                  f"to that page): each page written by an append must be used once")
+
+
+def check_kvcache_length(cache_seqlens: int, seqlen_new: int, capacity: int) -> None:
+    """One int ``cache_seqlens`` for every sequence: ``0 <= cache_seqlens`` and
+    ``cache_seqlens + seqlen_new <= capacity``."""
+    if cache_seqlens < 0 or cache_seqlens + seqlen_new > capacity:
+        raise ValueError(_seqlen_message(f"cache_seqlens ({cache_seqlens})", cache_seqlens, seqlen_new, capacity))
 
 
 def _seqlen_message(what: str, value: int, seqlen_new: int, capacity: int) -> str:
