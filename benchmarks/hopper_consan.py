@@ -1,9 +1,10 @@
-"""The Gluon forward under Gluon's concurrency sanitizer (run with TRITON_INSTRUMENTATION_MODE=consan).
+"""The Gluon forward and backward under Gluon's concurrency sanitizer (run with TRITON_INSTRUMENTATION_MODE=consan).
 
 ConSan instruments every shared-memory access, mbarrier and async copy of the Gluon kernels
 and traps on a read of a buffer that an in-flight TMA or wgmma may still touch, or on a
 missing wait.  Small shapes, but more work items than programs, so the persistent loop's
-hand-over between items (query buffer, K/V ring across items, ping-pong phases) is covered::
+hand-over between items (query buffer, K/V ring across items, ping-pong phases) is covered;
+the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared dS tile)::
 
     TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
 
@@ -25,8 +26,20 @@ assert os.environ.get("TRITON_INSTRUMENTATION_MODE") == "consan", "set TRITON_IN
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 CASES = [(64, 600, 32, False, False), (128, 700, 24, True, False), (256, 300, 40, True, False),
-         (128, 500, 24, False, True)]
+         (128, 500, 24, False, True), ("bwd", 128, 300, 4, True), ("bwd", 64, 300, 4, False)]
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
+    if CASES[case][0] == "bwd":
+        _, d, n, heads, causal = CASES[case]
+        os.environ["FLASHTILE_ENGINE"] = "gluon"
+        import flashtile
+
+        q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grads = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v), torch.randn_like(q))
+        torch.cuda.synchronize()
+        print(f"consan backward d={d} n={n} heads={heads} causal={causal}: ok, "
+              f"finite={all(bool(g.isfinite().all()) for g in grads)}", flush=True)
+        continue
     d, n, heads, causal, varlen = CASES[case]
     q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cfg = hopper.config_for(padded_headdim(d))

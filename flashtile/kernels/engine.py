@@ -1,4 +1,4 @@
-"""Which GPU engine runs an attention forward: the one dispatch rule.
+"""Which GPU engine runs an attention forward or backward: the one dispatch rule.
 
 Two engines compute the same attention on CUDA tensors:
 
@@ -11,6 +11,10 @@ Two engines compute the same attention on CUDA tensors:
   446 / 462 against ``tl.*`` 394 / 415 / 414 TFLOP/s at N = 1k / 4k / 16k; docs/tuning.md);
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention.py``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
+
+The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi, not
+``deterministic``), which only a forced ``gluon`` selects: it is not faster than the ``tl.*``
+backward yet (``backward_engine``).
 
 ``auto`` (the default) takes ``gluon`` where it applies and ``triton`` elsewhere.  The
 environment variable ``FLASHTILE_ENGINE`` (``auto``, ``gluon`` or ``triton``) overrides the
@@ -114,14 +118,15 @@ def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: fl
 
 def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
                     deterministic: bool = False) -> str:
-    """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device (the same
-    override as the forward; ``auto`` takes Gluon wherever it can run the call)."""
-    wanted = requested_engine()
-    if wanted == "triton":
+    """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device.
+
+    ``auto`` keeps the ``tl.*`` backward: the Gluon one measured at 0.87-1.02x of it on an
+    H200 (forward + backward, bf16, d = 64 / 128, N = 4k / 16k; docs/tuning.md), and it adds
+    dQ with atomics (not bitwise reproducible).  ``gluon`` forces it where it can run the call.
+    """
+    if requested_engine() != "gluon":
         return "triton"
     reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes, deterministic)
-    if reason is None:
-        return "gluon"
-    if wanted == "gluon":
+    if reason is not None:
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon backward cannot run this call: {reason}")
-    return "triton"
+    return "gluon"

@@ -43,4 +43,6 @@ def report(kernel) -> dict:
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame"),
             "shared": kernel.metadata.shared, "warnings": [line for line in r.stderr.splitlines() if "warning" in line],
+            # ptxas C7514: wgmma serialised (every wgmma waited for before the next issues).
+            "wgmma_serialized": "C7514" in r.stderr,
             **{op: sass.count(op) for op in COUNTED}}

@@ -1,4 +1,4 @@
-"""The one dispatch rule between the Gluon (Hopper) and tl.* attention forwards."""
+"""The one dispatch rule between the Gluon (Hopper) and tl.* attention kernels, forward and backward."""
 
 import pytest
 import torch
@@ -31,6 +31,16 @@ def test_reasons_cover_what_the_gluon_forward_lacks():
     assert "CUDA" in engine.gluon_forward_reason(q, q, None, 0.0, None)
 
 
+def test_backward_takes_the_tl_kernels_unless_gluon_is_forced(monkeypatch):
+    q = torch.zeros(1, 4, 2, 128)
+    for value in ("auto", "triton"):
+        monkeypatch.setenv(engine.ENGINE_ENV, value)
+        assert engine.backward_engine(q, q) == "triton"
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    with pytest.raises(NotImplementedError, match="Gluon backward cannot run this call.*CUDA"):
+        engine.backward_engine(q, q)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon engine needs an sm_90 GPU")
@@ -42,3 +52,18 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.forward_engine(make(64), make(64)) == "triton"
     assert engine.forward_engine(make(128, torch.float32), make(128, torch.float32)) == "triton"
     assert engine.forward_engine(make(128), make(128), softcap=5.0) == "triton"
+    assert engine.backward_engine(make(128), make(128)) == "triton"  # auto: the tl.* backward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon engine needs an sm_90 GPU")
+def test_forced_gluon_backward_rule_on_hopper(monkeypatch):
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    make = lambda d: torch.zeros(1, 4, 2, d, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    assert engine.backward_engine(make(128), make(128)) == "gluon"
+    assert engine.backward_engine(make(64), make(64)) == "gluon"
+    with pytest.raises(NotImplementedError, match="head dim 256"):
+        engine.backward_engine(make(256), make(256))
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        engine.backward_engine(make(128), make(128), deterministic=True)

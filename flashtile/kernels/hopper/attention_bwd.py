@@ -6,16 +6,16 @@ probabilities from the saved LSE.  Three partitions share shared memory:
 
 * **producer** (1 warp): TMA-loads the key and value tile once, then streams the query and
   output-gradient tiles (``Q_i``, ``dO_i``, ``BLOCK_M = 64`` rows) through a
-  ``NUM_STAGES``-deep ring; each slot has a *ready* barrier (TMA completion) and an *empty*
-  one (both consumers are done with it).
-* **two consumers** (one warpgroup each): each owns 64 of the 128 keys and keeps its dK and
+  ``NUM_STAGES``-deep ring; each slot has a *ready* barrier (TMA completion of both tiles) and
+  an *empty* one (both consumers are done with it).
+* **two consumers** (one warpgroup each): each owns 64 of the 128 keys and keeps their dK and
   dV rows in fp32 registers for the whole walk.  Per query tile it computes, on asynchronous
   wgmma, the transposed tiles ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries, so the
   probabilities are already the A operand of the dV and dK products), then
   ``P^T = exp2(S^T * scale * log2 e - LSE * log2 e)``, ``dS^T = P^T (dP^T - delta)``,
-  ``dV += P^T dO``, ``dK += dS^T Q`` and this key half's share of ``dQ = dS K``, which it adds
-  into an fp32 workspace with atomics (``dS`` goes through shared memory to be the
-  transposed A operand).
+  ``dV += P^T dO`` and ``dK += dS^T Q``.  Both write their rows of ``dS^T`` into one shared
+  tile, and each computes half of dQ's columns, ``dS K[:, half]`` over all 128 keys, which it
+  adds into an fp32 workspace with 16-byte vector atomics.
 
 ``delta = rowsum(dO * O)`` and the LSE in log2 units (``+inf`` for rows with no visible key, so
 their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and the dQ
@@ -83,12 +83,13 @@ def _work(pid, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k
 
 @gluon.jit
 def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
-              q_ready, q_empty, do_ready, do_empty,
+              ready, empty,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right, num_items,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     """K and V once; then per step ``c`` (query head ``c // n_steps``, query tile ``c % n_steps``)
-    Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it."""
+    Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it (one
+    barrier pair a slot for both tiles: fewer barrier operations in the consumers' loop)."""
     b, hk, n0, q_start, k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
         gl.program_id(0), num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
         window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
@@ -104,12 +105,10 @@ def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, 
             slot = c % NUM_STAGES
             # An mbarrier starts with its "previous" phase complete: the first waits pass.
             free_phase = ((c // NUM_STAGES) & 1) ^ 1
-            mbarrier.wait(q_empty.index(slot), free_phase)
-            mbarrier.expect(q_ready.index(slot), Q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(Q_desc, [b, row, h, 0], q_ready.index(slot), q_bufs.index(slot))
-            mbarrier.wait(do_empty.index(slot), free_phase)
-            mbarrier.expect(do_ready.index(slot), DO_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(DO_desc, [b, row, h, 0], do_ready.index(slot), do_bufs.index(slot))
+            mbarrier.wait(empty.index(slot), free_phase)
+            mbarrier.expect(ready.index(slot), Q_desc.block_type.nbytes + DO_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(Q_desc, [b, row, h, 0], ready.index(slot), q_bufs.index(slot))
+            tma.async_copy_global_to_shared(DO_desc, [b, row, h, 0], ready.index(slot), do_bufs.index(slot))
 
 
 @gluon.jit
@@ -128,34 +127,60 @@ def _store_rows(ptr, base, rows, nrows, stride_row, headdim, x, HEAD_DIM: gl.con
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, q_ready, q_empty, do_ready, do_empty,
-              DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+def _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols,
+            add_layout: gl.constexpr):
+    """Add one step's dQ share into the fp32 workspace (rows past the sequence are not written)."""
+    rows = m0 + dq_rows
+    base = b.to(gl.int64) * stride_dqb + h * stride_dqh + q_start.to(gl.int64) * stride_dqm
+    ptrs = DQ + base + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(dq_cols, 0)
+    # The workspace is padded to HEAD_DIM columns: no column mask, so the adds vectorise.
+    gl.atomic_add(ptrs, gl.convert_layout(dq, add_layout), mask=gl.expand_dims(rows < sq, 1), sem="relaxed")
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
+              ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
               stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
               seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
-              window_left, window_right, num_items, key_off,
+              window_left, window_right, num_items, key_off, col_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
-    """Keys ``[key_off, key_off + 64)`` of the program's key tile: dK, dV and their dQ share."""
+    """Keys ``[key_off, key_off + 64)`` of the program's key tile (their dK, dV and dS rows),
+    and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ.
+
+    Every wgmma retires within its step: one still running across the loop's back edge makes
+    ptxas serialise all of them (its C7514 note; the offline check fails on it).
+    """
     KEYS: gl.constexpr = CONSUMER_KEYS
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_bufs.dtype
-    # (keys x queries) score tiles, (keys x d) dK / dV, (queries x d) dQ share.
+    # (keys x queries) score tiles, (keys x d) dK / dV, (queries x d / 2) dQ share.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
     vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    # dQ's adds: 4 consecutive fp32 a thread (one 16-byte vector add), a warp on whole rows,
+    # so a thread needs few addresses (the wgmma layout holds pairs and would need 4x more).
+    ADD_TPR: gl.constexpr = DQ_COLS // 4 if DQ_COLS // 4 < 32 else 32
+    add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // ADD_TPR, ADD_TPR], [4, 1], [1, 0])
 
     b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = _work(
         gl.program_id(0), num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
         window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
     if n_steps >= 0:
-        k_h = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(key_off, KEYS, dim=0)
+        k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+        k_h = k_all.slice(key_off, KEYS, dim=0)
         v_h = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(key_off, KEYS, dim=0)
+        k_cols = k_all.slice(col_off, DQ_COLS, dim=1)
+        my_ds = ds_smem.slice(key_off, KEYS, dim=0)
         offs_k = n0 + key_off + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
+        dq_cols = col_off + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, add_layout))
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         mbarrier.wait(kv_ready, 0)
@@ -171,11 +196,10 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, q_ready, q_emp
             lse2 = gl.load(LSE2 + row_base + offs_q, mask=offs_q < sq, other=float("inf"))
             delta = gl.load(Delta + row_base + offs_q, mask=offs_q < sq, other=0.0)
 
-            mbarrier.wait(q_ready.index(slot), phase)
+            mbarrier.wait(ready.index(slot), phase)
             q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             s_t = warpgroup_mma(k_h, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
                                 use_acc=False, is_async=True)
-            mbarrier.wait(do_ready.index(slot), phase)
             do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             dp_t = warpgroup_mma(v_h, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
                                  use_acc=False, is_async=True)
@@ -186,26 +210,27 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, q_ready, q_emp
                 visible = band_mask(gl.expand_dims(offs_q_s, 0), gl.expand_dims(offs_k, 1), sq, sk,
                                     window_left, window_right, MASK_LEFT, MASK_RIGHT)
                 p_t = gl.where(visible, p_t, 0.0)
-            dp_t = warpgroup_mma_wait(0, deps=[dp_t])
-            ds_t = (p_t * (dp_t - gl.expand_dims(gl.convert_layout(delta, q_vec), 0))).to(dtype)
+            # dV's GEMM runs while dS is computed.
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
-            # dQ's share needs dS with queries as rows: the transposed read of shared memory.
-            ds_smem.store(ds_t)
+            dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+            ds_t = (p_t * (dp_t - gl.expand_dims(gl.convert_layout(delta, q_vec), 0))).to(dtype)
+            # dQ = dS K needs every key's dS, with queries as rows: each consumer writes its
+            # rows of the shared dS^T tile (once both have read the previous one), and both
+            # read it transposed once both have written it.  dK's GEMM is queued in between,
+            # so the tensor cores have dV, dK and dQ of both consumers back to back.
+            mbarrier.wait(ds_free, (c & 1) ^ 1)
+            my_ds.store(ds_t)
             fence_async_shared()
-            # dK and dV retire first, so their operands' registers are free for dQ's accumulator.
-            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_h, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
-                                                                       layout=acc_layout),
+            mbarrier.arrive(ds_ready, count=1)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
+            mbarrier.wait(ds_ready, c & 1)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols,
+                               gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
                                use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq])
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)
-            rows = m0 + dq_rows
-            dq_base = b.to(gl.int64) * stride_dqb + h * stride_dqh + q_start.to(gl.int64) * stride_dqm
-            ptrs = DQ + dq_base + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(dq_cols, 0)
-            # The workspace is padded to HEAD_DIM columns: no column mask, so the adds vectorise.
-            gl.atomic_add(ptrs, dq, mask=gl.expand_dims(rows < sq, 1), sem="relaxed")
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+            mbarrier.arrive(empty.index(slot), count=1)
+            mbarrier.arrive(ds_free, count=1)
+            _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout)
 
         kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
         _store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
@@ -228,35 +253,33 @@ def _attn_bwd_hopper(
     v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + Q_desc.block_type.shape, Q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + DO_desc.block_type.shape, DO_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
-    ds_bufs = gl.allocate_shared_memory(dtype, [2, KEYS, BLOCK_M], ds_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(ds_ready, count=2)  # both consumers have written their rows of dS
+    mbarrier.init(ds_free, count=2)  # both consumers' dQ GEMMs have read it
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(do_empty.index(i), count=2)
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_bufs.index(0), kv_ready, q_ready, q_empty, do_ready,
-                     do_empty, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty, ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
-                     window_left, window_right, num_items, 0,
+                     window_left, window_right, num_items, 0, 0,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_bufs.index(1), kv_ready, q_ready, q_empty, do_ready,
-                     do_empty, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty, ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
-                     window_left, window_right, num_items, KEYS,
+                     window_left, window_right, num_items, KEYS, HEAD_DIM // 2,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
         (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
-                     q_ready, q_empty, do_ready, do_empty,
+                     ready, empty,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
                      num_items, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -274,8 +297,9 @@ class HopperBwdConfig:
         self.block_n = 2 * CONSUMER_KEYS.value
         self.block_m, self.num_stages = block_m, num_stages
         self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
-        # Three warpgroups' worth of warps (the producer's padded to one) share 64K registers.
-        self.maxnreg = (2 * consumer_regs + producer_regs) // 3 // 8 * 8
+        # Three warpgroups (the producer's warp padded to one) share 64K registers: the
+        # kernel-wide cap, from which the partitions' budgets are carved.
+        self.maxnreg = 65536 // (3 * 128) // 8 * 8
 
     def __repr__(self):
         return (f"HopperBwdConfig(BLOCK_M={self.block_m}, stages={self.num_stages}, "

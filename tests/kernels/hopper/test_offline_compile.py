@@ -39,15 +39,23 @@ def test_every_variant_was_compiled(reports):
 def test_no_variant_spills_beyond_budget_or_loses_wgmma(reports):
     from flashtile.kernels.hopper.offline import SPILL_STORE_BUDGET
 
-    bad = [r for r in reports if r["spill_stores"] > SPILL_STORE_BUDGET or r["stack"] > SPILL_STORE_BUDGET
-           or not r["HGMMA"]]
+    bad = [r for r in reports if r["spill_stores"] > SPILL_STORE_BUDGET[r["kernel"], r["hd"]]
+           or r["stack"] > SPILL_STORE_BUDGET[r["kernel"], r["hd"]] or not r["HGMMA"]]
     assert not bad, "\n".join(map(str, bad))
 
 
-def test_most_variants_do_not_spill_at_all(reports):
-    # The budget is for a few loop scalars in a couple of variants, not a drift everywhere.
-    spilling = [r for r in reports if r["spill_stores"]]
-    assert len(spilling) <= len(reports) // 4, "\n".join(map(str, spilling))
+def test_no_variant_has_its_wgmma_serialised(reports):
+    # ptxas note C7514: every wgmma waited for before the next one issues (e.g. an
+    # accumulator read while another wgmma runs across a loop's back edge) -- correct but slow.
+    bad = [r for r in reports if r["wgmma_serialized"]]
+    assert not bad, "\n".join(map(str, bad))
+
+
+def test_most_forward_variants_do_not_spill_at_all(reports):
+    # The forward's budget is for a few loop scalars in a couple of variants, not a drift everywhere.
+    forward = [r for r in reports if r["kernel"] == "forward"]
+    spilling = [r for r in forward if r["spill_stores"]]
+    assert len(spilling) <= len(forward) // 4, "\n".join(map(str, spilling))
 
 
 def test_shared_memory_fits_an_sm90_multiprocessor(reports):
