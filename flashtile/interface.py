@@ -74,10 +74,15 @@ def flash_attn_func(
     seed, offset = 0, 0
     if params.dropout_p > 0:
         seed, offset = next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1] * counters_per_row(k.shape[1]))
-    out, lse = _ops.attention_forward(
-        q, k, v, params.softmax_scale, params.window_left, params.window_right, params.softcap,
-        alibi_slopes, params.dropout_p, seed, offset, params.deterministic,
-    )
+    if _ops.eager_forward_ok(q, k, v, alibi_slopes):
+        # Nothing records autograd or traces: the launcher directly, without the op's dispatch.
+        out, lse = _ops.eager_forward(q, k, v, params.softmax_scale, params.window_left, params.window_right,
+                                      params.softcap, alibi_slopes, params.dropout_p, seed, offset)
+    else:
+        out, lse = _ops.attention_forward(
+            q, k, v, params.softmax_scale, params.window_left, params.window_right, params.softcap,
+            alibi_slopes, params.dropout_p, seed, offset, params.deterministic,
+        )
     return (out, lse) if return_lse else out
 
 

@@ -40,6 +40,8 @@ tile is a pointer store masked to its sequence's rows (``_store_tile``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtile.kernels.dropout import dropout_scale
 from flashtile.kernels.engine import backward_engine, forward_engine
+from flashtile.kernels.launch import constant as launch_constant
+from flashtile.kernels.launch import launch
 from flashtile.kernels.masking import band_mask, key_tiles, query_tiles
 from flashtile.kernels.online_softmax import (
     LOG2E,
@@ -556,6 +560,46 @@ def _unpad(x, d):
     return x[..., :d].contiguous() if x.shape[-1] != d else x
 
 
+@functools.lru_cache(maxsize=None)
+def _unpaged_args(device: torch.device) -> tuple:
+    """The kernel's ``paged_kv`` tuple without paged keys: placeholders it never reads (not
+    ``PAGED``), one constant tuple per device, so the launch layer classifies it once."""
+    placeholder = torch.empty(4, dtype=torch.float32, device=device)
+    return launch_constant((placeholder, placeholder, placeholder, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+
+
+def _fast_descriptor(t, rows, hd):
+    """``descriptor(t, rows, hd)`` (a ``[1, rows, 1, hd]`` box over ``t``) without
+    ``TensorDescriptor``'s per-call checks where they are known to pass: ``t`` is
+    ``tma_ready`` (16-byte aligned base and strides, unit last stride; checked again here),
+    non-empty, and the box was validated once (``_checked_box``).  Anything else goes
+    through the checked constructor, which raises as before."""
+    shape, strides = list(t.shape), list(t.stride())
+    elt = t.element_size()
+    if (0 in shape or strides[-1] != 1 or t.data_ptr() & 15 or len(shape) != 4
+            or any((s * elt) & 15 for s in strides[:-1]) or not _checked_box(rows, hd)):
+        return descriptor(t, rows, hd)
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=[1, rows, 1, hd], padding="zero")
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_box(rows: int, hd: int) -> bool:
+    from triton._utils import validate_block_shape
+
+    try:
+        validate_block_shape([1, rows, 1, hd])
+    except (AssertionError, ValueError):
+        return False
+    return True
+
+
+# The forward's runtime arguments that change from call to call (dropout's seed and counter
+# offset), for the launch layer's key.
+_FWD_DYNAMIC = (25, 26)
+
+
 def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes, dropout):
     if config is None and forward_engine(q, k, dropout, softcap, alibi_slopes,
                                          paged=layout.block_table is not None) == "gluon":
@@ -573,22 +617,23 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
     drop = _dropout_args(dropout)
     table = layout.block_table
     if table is None:
-        k_desc = layout.tiles(layout.prepare(k), cfg.block_n, hd)
-        v_desc = layout.tiles(layout.prepare(v), cfg.block_n, hd)
-        paged_kv, stride_bt, page_size = (lse, lse, lse, 0, 0, 0, 0, 0, 0, 0, 0, 0), 0, 1
+        k_desc = layout.tiles(layout.prepare(k), cfg.block_n, hd, _fast_descriptor)
+        v_desc = layout.tiles(layout.prepare(v), cfg.block_n, hd, _fast_descriptor)
+        paged_kv, stride_bt, page_size = _unpaged_args(q.device), 0, 1
     else:
         # Gathered through the block table, not TMA: the key descriptors are never read.
-        k_desc = v_desc = layout.tiles(q_, cfg.block_n, hd)
+        k_desc = v_desc = layout.tiles(q_, cfg.block_n, hd, _fast_descriptor)
         table = table if table.stride(1) == 1 else table.contiguous()
         paged_kv = (k, v, table, k.shape[0], table.shape[1], d, *k.stride()[:3], *v.stride()[:3])
         stride_bt, page_size = table.stride(0), k.shape[1]
-    _attn_fwd[grid](
-        layout.tiles(q_, cfg.block_m, hd), k_desc, v_desc, paged_kv, stride_bt,
-        layout.tiles(out_, cfg.block_m, hd), out_, lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
+    launch(_attn_fwd, grid, (
+        layout.tiles(q_, cfg.block_m, hd, _fast_descriptor), k_desc, v_desc, paged_kv, stride_bt,
+        layout.tiles(out_, cfg.block_m, hd, _fast_descriptor), out_, lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
         softmax_scale * LOG2E, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], drop["dropout_p"], drop["seed"], drop["rng_offset"],
         layout.rng_cols,
+    ), dict(
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"],
@@ -596,7 +641,7 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
         DOT_PRECISION=dot_precision(q.dtype),
         PAGED=table is not None, PAGE_SIZE=page_size,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ), dynamic=_FWD_DYNAMIC)
     return _unpad(out_, d), lse
 
 

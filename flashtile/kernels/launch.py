@@ -14,10 +14,12 @@ Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6
   the options (constexprs, ``num_warps``, ...).  The key here holds, per runtime argument,
   a class at least as fine as Triton's: a tensor's dtype and whether its address is a
   multiple of 16; an int's range (i32 / i64 / wider), whether it equals 1 (Triton makes it
-  a constexpr) and whether it is a multiple of 16; a float / bool / None by type.  The
-  constexprs and launch options are in the key by value, as is the current device.  Two
-  calls with one key therefore get one compiled kernel from Triton, and the first call of
-  every key goes through ``kernel[grid]`` itself, whose returned kernel is the one cached.
+  a constexpr) and whether it is a multiple of 16; a float / bool / None by type; a tuple
+  element by element; a host TMA descriptor by its dtype, block shape, padding (and a Gluon
+  one's shared layout).  The constexprs and launch options are in the key by value, as is
+  the current device.  Two calls with one key therefore get one compiled kernel from
+  Triton, and the first call of every key goes through ``kernel[grid]`` itself, whose
+  returned kernel is the one cached.
 * The launcher (``CompiledKernel.run``) takes every parameter in signature order and
   ignores the constexpr ones (``None`` and ints equal to 1 included), so the runtime
   arguments are passed followed by the constexpr values, as ``JITFunction.run`` does.
@@ -25,10 +27,9 @@ Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6
   (``knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` empty, as they are unless a
   profiler such as proton is active) calling them does nothing, and ``None`` is passed.
   With a hook registered, or a pre-run hook on the kernel, every launch is ordinary.
-* Anything the key does not classify -- a host TMA ``TensorDescriptor``, a numpy scalar, a
-  tuple, a callable grid, a runtime argument passed by keyword -- makes that call an
-  ordinary launch, so it is dispatched by Triton as before.  So does Triton's interpreter
-  (``TRITON_INTERPRET=1``: no compiled kernels) and ``torch.compile`` tracing (Dynamo
+* Anything the key does not classify -- a numpy scalar, a list, a callable grid, a runtime
+  argument passed by keyword -- makes that call an ordinary launch, so it is dispatched by
+  Triton as before.  So does Triton's interpreter (``TRITON_INTERPRET=1``: no compiled kernels) and ``torch.compile`` tracing (Dynamo
   understands ``kernel[grid](...)``, not a raw launcher call).
 
 If a direct launch raises, that key is marked failed and the call (and every later one with
@@ -58,6 +59,23 @@ _UNCLASSIFIED = object()  # a runtime argument of a type the key does not descri
 _FAILED = object()  # a key whose direct launch raised once: ordinary launches from then on
 
 
+def _descriptor_types() -> tuple:
+    """Triton's host TMA descriptor classes (the Gluon one where this Triton has it)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    found = [TensorDescriptor]
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+        found.append(GluonDescriptor)
+    except ImportError:  # a Triton without Gluon
+        pass
+    return tuple(found)
+
+
+_DESCRIPTORS = _descriptor_types()
+
+
 def _arg_class(arg):
     """What of a runtime argument decides Triton's compiled variant (see the module doc)."""
     cls = arg.__class__
@@ -70,7 +88,35 @@ def _arg_class(arg):
         return cls
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() & 15 == 0)
+    if cls is tuple:
+        # Triton specialises a tuple element by element (and passes it as it is).
+        classes = tuple(map(_arg_class, arg))
+        return _UNCLASSIFIED if _UNCLASSIFIED in classes else (tuple, classes)
+    if cls in _DESCRIPTORS:
+        # Triton specialises a host descriptor by its dtype and block shape (and a Gluon one by
+        # its shared layout); the base address, shape and strides are runtime values the
+        # launcher turns into a TMA descriptor at every launch.  The padding is a runtime value
+        # too; keyed all the same (finer is safe).
+        return (cls, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None), arg.padding)
     return _UNCLASSIFIED
+
+
+_constant_tuples: dict[int, tuple] = {}  # id(tuple) -> (the tuple, its class)
+
+
+def constant(arg: tuple) -> tuple:
+    """Register a tuple argument the caller keeps and passes again and again (a cached tuple of
+    placeholders, say): its class is computed once.  The tuple is kept alive from then on, so
+    its id stays its own; pass only long-lived constants."""
+    _constant_tuples[id(arg)] = (arg, _arg_class(arg))
+    return arg
+
+
+def _tuple_class(arg: tuple):
+    entry = _constant_tuples.get(id(arg))
+    if entry is not None and entry[0] is arg:
+        return entry[1]
+    return _arg_class(arg)
 
 
 class _Layout:
@@ -86,12 +132,13 @@ class _Layout:
         tensors, ints, dyn = [], [], []
         self.classified = True
         for i, cls in enumerate(types):
-            if cls is int:
-                (dyn if i in dynamic else ints).append(i)
+            if cls is int or cls is tuple or cls in _DESCRIPTORS:
+                # Tuples and descriptors are classified on every call, as dynamic ints are.
+                (dyn if i in dynamic or cls is not int else ints).append(i)
             elif issubclass(cls, torch.Tensor):
                 tensors.append(i)
             elif not (cls is float or cls is bool or cls is type(None)):
-                self.classified = False  # a tuple, a numpy scalar, a descriptor: ordinary launches
+                self.classified = False  # a numpy scalar, a list, ...: ordinary launches
         self.tensors = _getter(tensors)
         self.ints = _getter(ints)
         self.dynamic = tuple(dyn)
@@ -187,7 +234,12 @@ def _key(cache, device, args, options, dynamic):
         tensor_classes = (tuple(map(_dtype, tensors)), aligned)
     else:
         tensor_classes = None
-    dyn = tuple(_arg_class(args[i]) for i in layout.dynamic) if layout.dynamic else None
+    dyn = None
+    if layout.dynamic:
+        dyn = tuple(_tuple_class(a) if a.__class__ is tuple else _arg_class(a) for a in map(args.__getitem__,
+                                                                                            layout.dynamic))
+        if _UNCLASSIFIED in dyn:
+            return None  # e.g. a tuple holding a numpy scalar
     # The option types too: True == 1 as dict keys, but Triton compiles them apart.
     return (device, tuple(options.items()), tuple(map(type, options.values())), types, int_classes, dyn,
             tensor_classes)

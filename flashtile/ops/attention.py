@@ -46,6 +46,36 @@ def attention_forward(
     )
 
 
+def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes) -> bool:
+    """Whether ``attention_forward`` may be skipped for a direct call of the GPU kernels'
+    launcher: the custom op's dispatch (autograd key, redispatch, alias checks) costs tens of
+    microseconds of host time per call, which a tiny forward does not hide.
+
+    Only where the op would do nothing but call the same launcher: plain CUDA tensors (no
+    subclass, no fake or functorch-wrapped tensor), nothing recording autograd (grad mode off,
+    or no input requiring grad), and no tracing, torch-function or dispatch mode, functorch
+    transform (vmap, grad) or ``torch.compile`` in progress, each of which needs the op."""
+    if not (q.is_cuda and q.__class__ is torch.Tensor and k.__class__ is torch.Tensor and v.__class__ is torch.Tensor):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (alibi_slopes is not None and alibi_slopes.requires_grad)):
+        return False
+    if alibi_slopes is not None and alibi_slopes.__class__ is not torch.Tensor:
+        return False
+    return not (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
+
+
+def eager_forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset):
+    """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`)."""
+    from flashtile.kernels import attention as triton_attention
+
+    return triton_attention.attention_forward(
+        q, k, v, softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout=_dropout(dropout_p, seed, offset),
+    )
+
+
 def _dropout(dropout_p, seed, offset):
     return (dropout_p, seed, offset) if dropout_p > 0 else None
 

@@ -135,7 +135,7 @@ def test_every_change_of_specialisation_class_compiles_through_triton(toy, chang
     assert _kinds(calls) == ["ordinary", "ordinary", "direct"]
 
 
-@pytest.mark.parametrize("case", ["tuple_argument", "numpy_scalar", "float_constexpr", "runtime_by_keyword",
+@pytest.mark.parametrize("case", ["tuple_with_a_numpy_scalar", "numpy_scalar", "float_constexpr", "runtime_by_keyword",
                                   "callable_grid"])
 def test_what_the_key_cannot_describe_always_launches_the_ordinary_way(toy, case):
     import numpy as np
@@ -143,8 +143,8 @@ def test_what_the_key_cannot_describe_always_launches_the_ordinary_way(toy, case
     kernel, calls = toy
     x, y = torch.zeros(64), torch.zeros(64)
     args, options, grid = (x, y, 40, 0.5), dict(BLOCK=16), (1,)
-    if case == "tuple_argument":
-        args = (x, y, (40, 41), 0.5)
+    if case == "tuple_with_a_numpy_scalar":
+        args = (x, y, (40, np.int32(41)), 0.5)
     elif case == "numpy_scalar":
         args = (x, y, np.int32(40), 0.5)
     elif case == "float_constexpr":
@@ -235,7 +235,24 @@ def test_argument_classes_are_at_least_as_fine_as_tritons_specialisation():
     base = torch.zeros(64, dtype=torch.float32)
     tensors = [base, base[1:], base[4:], base[8:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
                base.to(torch.bfloat16)[1:], base.to(torch.int32), base.to(torch.int64)[2:]]
-    values = ints + [0.0, -0.0, 1.0, 2.5, True, False, None] + tensors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    grid4 = torch.zeros(2, 64, 4, 64, dtype=torch.bfloat16)
+    descriptors = [TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+                   for t in (grid4, grid4[1:], grid4.to(torch.float16)) for block in ([1, 64, 1, 64], [1, 32, 1, 64])]
+    descriptors.append(TensorDescriptor(grid4, list(grid4.shape), list(grid4.stride()), [1, 64, 1, 64], "nan"))
+    try:
+        import triton.experimental.gluon.language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+        for rows in (64, 128):
+            layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, 64], gl.bfloat16)
+            descriptors.append(GluonDescriptor(grid4, list(grid4.shape), list(grid4.stride()), [1, rows, 1, 64],
+                                               layout))
+    except ImportError:
+        pass
+    tuples = [(base, 40), (base[1:], 40), (base, 48), (base, 1), (base, 40, None), (2**40, base.to(torch.int32))]
+    values = ints + [0.0, -0.0, 1.0, 2.5, True, False, None] + tensors + descriptors + tuples
     seen = {}
     for value in values:
         cls = launch_mod._arg_class(value)
@@ -243,12 +260,14 @@ def test_argument_classes_are_at_least_as_fine_as_tritons_specialisation():
             spec = native_specialize_impl(backend, value, False, True, True)
         except Exception:  # noqa: BLE001 - a value Triton itself rejects (above u64)
             spec = "rejected"
-        spec = (spec[0], spec[1]) if spec != "rejected" else spec
+        spec = repr((spec[0], spec[1])) if spec != "rejected" else spec
         if cls in seen:
             assert seen[cls][1] == spec, (value, seen[cls][0], cls, spec, seen[cls][1])
         else:
             seen[cls] = (value, spec)
-    assert launch_mod._arg_class((1, 2)) is launch_mod._UNCLASSIFIED
+    assert len({launch_mod._arg_class(d) for d in descriptors}) == len({repr(
+        native_specialize_impl(backend, d, False, True, True)[0]) for d in descriptors}) + 1  # the padding
+    assert launch_mod._arg_class((1, [2])) is launch_mod._UNCLASSIFIED
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""The GPU host path on the CPU (benchmarks/profile_host_cpu.py's stubs): CPU tensors that claim
+to be CUDA ones, Triton's ordinary launch and the device queries stubbed.  Checks what the host
+path decides -- direct launches after the first call of a class, the custom op skipped only
+where nothing needs it, no host read of GPU index values -- without a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import profile_host_cpu  # noqa: E402
+
+import flashtile  # noqa: E402
+from flashtile.kernels import launch as launch_mod  # noqa: E402
+from flashtile.ops import attention as ops  # noqa: E402
+from flashtile.ops import validation  # noqa: E402
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    """Counts of ordinary and direct launches under the stubbed GPU."""
+    counts = {"ordinary": 0, "direct": 0}
+    real = launch_mod._ordinary
+
+    def ordinary(*args):
+        counts["ordinary"] += 1
+        return real(*args)
+
+    def direct(self, *args):
+        counts["direct"] += 1
+
+    monkeypatch.setattr(launch_mod, "_ordinary", ordinary)
+    monkeypatch.setattr(profile_host_cpu._StubCompiled, "run", direct)
+    launch_mod.clear()
+    with profile_host_cpu.stubbed_gpu():
+        yield counts
+
+
+def _decode_inputs():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 8, 64, generator=g, dtype=torch.bfloat16)
+    kc, vc = (torch.randn(2, 256, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    kn, vn = (torch.randn(2, 1, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    return q, kc, vc, kn, vn
+
+
+@pytest.mark.parametrize("lengths", ["int", "tensor"])
+def test_decode_steps_launch_directly_after_the_first(stub, lengths):
+    q, kc, vc, kn, vn = _decode_inputs()
+    for step in range(6):
+        seqlens = 100 + step if lengths == "int" else torch.tensor([100 + step, 7 + step], dtype=torch.int32)
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens)
+    # The first step compiles (append + split kernel); a growing int length changes its class
+    # at most at multiples of 16 (none between 100 and 105 but 112 is not reached).
+    assert stub["ordinary"] == 2 and stub["direct"] == 10
+
+
+def test_gpu_index_tensors_are_not_read_on_the_host(stub, monkeypatch):
+    q, kc, vc, kn, vn = _decode_inputs()
+
+    def no_read(*tensors):
+        raise AssertionError("index values read on the host")
+
+    monkeypatch.setattr(validation, "to_host", no_read)
+    bad = torch.tensor([10**6, -5], dtype=torch.int32)  # clamped by the kernels, not checked here
+    flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=bad)
+    with pytest.raises(ValueError, match=r"cache_seqlens \(300\)"):  # an int is checked for free
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=300)
+    from flashtile import kvcache
+
+    monkeypatch.setattr(kvcache, "check_device_values", True)
+    with pytest.raises(AssertionError, match="read on the host"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=bad)
+
+
+def test_tiny_forward_skips_the_custom_op_only_when_nothing_needs_it(stub, monkeypatch):
+    q, k, v = (torch.randn(1, 128, 8, 64, dtype=torch.bfloat16) for _ in range(3))
+    assert ops.eager_forward_ok(q, k, v, None)
+    with torch.no_grad():
+        assert ops.eager_forward_ok(q, k.requires_grad_(), v, None)
+    assert not ops.eager_forward_ok(q, k, v, None)  # k requires grad: autograd needs the op
+    k.requires_grad_(False)
+
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with PassThrough():
+        assert not ops.eager_forward_ok(q, k, v, None)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not ops.eager_forward_ok(q, k, v, None)
+    calls = []
+    monkeypatch.setattr(ops, "attention_forward", lambda *a: calls.append(a) or (q, q))
+    for _ in range(3):
+        flashtile.flash_attn_func(q, k, v)
+    assert not calls  # the op was skipped
+    assert stub["ordinary"] == 1 and stub["direct"] == 2  # descriptors and tuples are classified
+    flashtile.flash_attn_func(q, k.requires_grad_(), v)
+    assert len(calls) == 1
+
+
+def test_cpu_tensors_still_take_the_op():
+    q, k, v = (torch.randn(1, 16, 2, 32) for _ in range(3))
+    assert not ops.eager_forward_ok(q, k, v, None)
