@@ -9,7 +9,11 @@ when causal; medians of ``triton.testing.do_bench``.  Implementations:
 * ``fp8_pretransposed`` -- the FP8 kernel alone, V already ``(batch, nheads_k, headdim, seqlen)``;
 * ``fp8_v_in_kernel`` -- the FP8 kernel on flash-attn-layout V, each V tile transposed in
   shared memory inside the loop (no host pass);
-* ``v_transpose`` -- the host transpose alone (ms only), ``flashtile.fp8.transpose_v``.
+* ``v_transpose`` -- the host transpose alone (ms only), ``flashtile.fp8.transpose_v``;
+* ``fp8_gluon`` / ``fp8_gluon_bn64`` -- the Hopper Gluon FP8 kernel alone (sm_90, head dims up
+  to 128), V pre-transposed, with 128- / 64-key tiles.
+
+``fp8`` runs whichever kernel ``FLASHTILE_ENGINE`` selects (on Hopper the Gluon one up to d = 128).
 
 ``fp8_pretransposed + v_transpose`` against ``fp8_v_in_kernel`` is the V-layout decision of
 docs/fp8.md.  ``--tiles BM,BN,warps,stages ...`` also times both kernel variants with each
@@ -42,7 +46,7 @@ import torch
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
-IMPLS = ("bf16", "fp8", "fp8_pretransposed", "fp8_v_in_kernel", "v_transpose")
+IMPLS = ("bf16", "fp8", "fp8_pretransposed", "fp8_v_in_kernel", "v_transpose", "fp8_gluon", "fp8_gluon_bn64")
 CHECK_LIMIT = 0.05  # relative RMS vs bf16; FP8 itself is ~0.02 at these shapes
 
 
@@ -123,6 +127,13 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True)
                         runs.append((impl, "float8_e4m3fn", cfg, kernel))
                 if "v_transpose" in impls:
                     runs.append(("v_transpose", "float8_e4m3fn", None, partial(transpose_v, v8)))
+                for impl, block_n in (("fp8_gluon", 128), ("fp8_gluon_bn64", 64)):
+                    if impl in impls and headdim <= 128 and torch.cuda.get_device_capability() == (9, 0):
+                        from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
+
+                        runs.append((impl, "float8_e4m3fn", None,
+                                     partial(hopper_fp8.forward, q8, k8, v_t, qd, kd, vd, scale, causal=causal,
+                                             config=hopper_fp8.HopperFp8Config(block_n=block_n))))
                 for impl, dtype, cfg, fn in runs:
                     rec = {**base, "impl": impl, "dtype": dtype}
                     if impl in ("fp8_pretransposed", "fp8_v_in_kernel"):

@@ -190,9 +190,11 @@ def flash_attn_fp8_func(
         ``out`` bfloat16 ``(batch, seqlen_q, nheads, headdim)``, or ``(out, lse)``.  Detached:
         forward only.
 
-    CUDA tensors run the Triton FP8 kernel (both GEMMs on FP8 tensor cores, P rounded to
-    e4m3); CPU tensors dequantise to float32 and run the tiled CPU attention, which does not
-    round P -- the value the GPU result approximates.
+    CUDA tensors run an FP8 kernel (both GEMMs on FP8 tensor cores, P rounded to e4m3): on
+    Hopper the Gluon one for head dims up to 128 (V transposed on the host), elsewhere the
+    ``tl.*`` one (``FLASHTILE_ENGINE`` chooses as for the bf16 kernels).  CPU tensors
+    dequantise to float32 and run the tiled CPU attention, which does not round P -- the
+    value the GPU result approximates.
     """
     v_transposed = _check_bool("v_transposed", v_transposed)
     _check_inputs(q, k, v, v_transposed)
@@ -208,6 +210,18 @@ def flash_attn_fp8_func(
 
     with torch.no_grad():
         if q.device.type == "cuda":
+            from flashtile.kernels.engine import fp8_forward_engine
+
+            engine = fp8_forward_engine(q)
+        if q.device.type == "cuda" and engine == "gluon":
+            from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
+            from flashtile.kernels.tma import tma_ready
+
+            # The Gluon kernel reads V transposed only (its tiles land K-major as they are).
+            v = _tma_ready_vt(v) if v_transposed else transpose_v(v)
+            out, lse = hopper_fp8.forward(tma_ready(q), tma_ready(k), v, q_descale, k_descale, v_descale,
+                                          softmax_scale, causal=causal, max_offset=max_offset)
+        elif q.device.type == "cuda":
             from flashtile.kernels.attention_fp8 import attention_fp8_forward
 
             if v_transposed:

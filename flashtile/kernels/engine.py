@@ -130,3 +130,26 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     if reason is not None:
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon backward cannot run this call: {reason}")
     return "gluon"
+
+
+# The Gluon FP8 forward keeps the output and each tile's P V accumulator in registers: head
+# dims up to 128.
+GLUON_FP8_MAX_HEADDIM = 128
+
+
+def fp8_forward_engine(q: torch.Tensor) -> str:
+    """``"gluon"`` or ``"triton"`` for ``flash_attn_fp8_func`` on ``q``'s device (e4m3 inputs):
+    ``auto`` takes the Gluon FP8 forward wherever it can run the call."""
+    wanted = requested_engine()
+    if wanted == "triton":
+        return "triton"
+    reason = None if q.is_cuda else "the tensors are not on a CUDA device"
+    if reason is None:
+        reason = gluon_device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if reason is None and q.shape[-1] > GLUON_FP8_MAX_HEADDIM:
+        reason = f"head dim {q.shape[-1]} (the Gluon FP8 forward takes up to {GLUON_FP8_MAX_HEADDIM})"
+    if reason is None:
+        return "gluon"
+    if wanted == "gluon":
+        raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon FP8 forward cannot run this call: {reason}")
+    return "triton"

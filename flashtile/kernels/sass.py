@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-COUNTED = ("HGMMA", "LDL", "STL", "MUFU.EX2", "SYNCS")
+COUNTED = ("HGMMA", "QGMMA", "LDL", "STL", "MUFU.EX2", "SYNCS")
 
 
 def report(kernel) -> dict:

@@ -146,7 +146,7 @@ def test_fp8_forward_without_max_offset_matches_its_emulation(case):
     _check(*case, max_offset=False)
 
 
-def _normalisation_bias(max_offset, seqlen_k, device=DEVICE):
+def _normalisation_bias(max_offset, seqlen_k, device=DEVICE, api=False):
     """mean(out - 1) with V = 1: the relative shrinkage of the outputs by lost probability mass.
 
     Score spread ~3 (a moderately peaked softmax): then a few percent of a row's probability
@@ -158,7 +158,11 @@ def _normalisation_bias(max_offset, seqlen_k, device=DEVICE):
     k8, kd = quantize_fp8(torch.randn(1, seqlen_k, 1, d, generator=gen).to(device))
     v8 = torch.ones(1, seqlen_k, 1, d, device=device).to(torch.float8_e4m3fn)
     one = torch.ones(1, device=device)
-    out, _ = kf8.attention_fp8_forward(q8, k8, transpose_v(v8), qd, kd, one, 3.0 / math.sqrt(d), max_offset=max_offset)
+    if api:  # the public function: whichever kernel FLASHTILE_ENGINE selects
+        out = flash_attn_fp8_func(q8, k8, v8, qd, kd, one, softmax_scale=3.0 / math.sqrt(d), max_offset=max_offset)
+    else:
+        out, _ = kf8.attention_fp8_forward(q8, k8, transpose_v(v8), qd, kd, one, 3.0 / math.sqrt(d),
+                                           max_offset=max_offset)
     return (out.double() - 1).mean().item()
 
 
@@ -267,15 +271,46 @@ GPU_CASES = [
 ]
 
 
+def _engine(monkeypatch, engine, headdim):
+    # FLASHTILE_ENGINE picks the FP8 kernel as it does the bf16 ones: the Gluon one on Hopper
+    # for head dims up to 128, the tl.* one everywhere.
+    if engine == "gluon" and not (torch.cuda.get_device_capability() == (9, 0) and headdim <= 128):
+        pytest.skip("the Gluon FP8 forward runs on sm_90, head dims up to 128")
+    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["triton", "gluon"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_fp8_forward_gpu(case):
+def test_fp8_forward_gpu(case, engine, monkeypatch):
+    _engine(monkeypatch, engine, case[5])
     _check(*case, api=True)
 
 
 @pytest.mark.gpu
-def test_fp8_forward_gpu_without_max_offset():
+@pytest.mark.parametrize("engine", ["triton", "gluon"])
+def test_fp8_forward_gpu_without_max_offset(engine, monkeypatch):
+    _engine(monkeypatch, engine, 128)
     _check(2, 1000, 1300, 8, 2, 128, False, "head", max_offset=False, api=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["triton", "gluon"])
+@pytest.mark.parametrize("case", [(1, 17, 17, 2, 2, 64, True, "head"), (1, 200, 128, 4, 2, 128, True, "head"),
+                                  (1, 40, 40, 2, 2, 48, False, "head"), (1, 1, 200, 4, 1, 64, True, "head")],
+                         ids=_case_id)
+def test_fp8_forward_gpu_awkward_shapes(case, engine, monkeypatch):
+    _engine(monkeypatch, engine, case[5])
+    _check(*case, api=True)
+
+
+@pytest.mark.gpu
+def test_gluon_fp8_max_offset_removes_normalisation_bias(monkeypatch):
+    _engine(monkeypatch, "gluon", 64)
+    with_offset, without = _normalisation_bias(True, 4096, api=True), _normalisation_bias(False, 4096, api=True)
+    assert abs(with_offset) < 3e-3, with_offset
+    assert without < -8e-3, without
+    assert abs(with_offset) < abs(without) / 4
 
 
 @pytest.mark.gpu

@@ -18,9 +18,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 
 from flashtile.kernels.hopper import attention_bwd as bwd
+from flashtile.kernels.hopper import attention_fp8 as fp8
 from flashtile.kernels.hopper import attention_fwd as fwd
 from flashtile.kernels.sass import TARGET, report
-HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128)}
+HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # Spilled bytes (stores, and the stack frame) tolerated per (kernel, head dim); anything beyond
 # is a register-pressure regression and fails the check (docs/tuning.md has the numbers):
 # * forward: ptxas keeps a few scalars of the persistent work-item loop in local memory in
@@ -29,12 +30,12 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128)}
 #   dP and dQ tiles leave the loop's scalars and addresses in local memory (444-648 bytes;
 #   loaded from L1 once a step).  d = 64 spills nothing.
 SPILL_STORE_BUDGET = {("forward", 64): 32, ("forward", 128): 32, ("forward", 256): 32,
-                      ("backward", 64): 0, ("backward", 128): 704}
+                      ("backward", 64): 0, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
 
 
-def _desc(dtype: str, rows: int, hd: int) -> str:
-    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    block = [1, rows, 1, hd]
+def _desc(dtype: str, rows: int, hd: int, block: list | None = None) -> str:
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dtype]
+    block = block or [1, rows, 1, hd]
     return f"tensordesc<{dtype}{block},{gl.NVMMASharedLayout.get_default_for(block, gl_dtype)!r}>"
 
 
@@ -80,11 +81,30 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 
+def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | None = None):
+    """The FP8 forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
+    cfg = config or fp8.config_for(hd, causal)
+    fn = fp8._attn_fwd_fp8_hopper
+    ints = ("stride_qdb stride_qdh stride_kdb stride_kdh stride_vdb stride_vdh stride_ob stride_om stride_oh "
+            "seqlen_q seqlen_k nheads group headdim num_items").split()
+    sig = {"Q_desc": _desc("fp8e4nv", cfg.block_m, hd), "K_desc": _desc("fp8e4nv", cfg.block_n, hd),
+           "VT_desc": _desc("fp8e4nv", 0, 0, [1, 1, hd, cfg.block_n]), "O": "*bf16", "LSE": "*fp32",
+           "Q_DESCALE": "*fp32", "K_DESCALE": "*fp32", "V_DESCALE": "*fp32", "softmax_scale_log2": "fp32",
+           **{name: "i32" for name in ints}}
+    consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
+              "CAUSAL": causal, "OFFSET": fp8.MAX_OFFSET, "CONSUMER_REGS": cfg.consumer_regs,
+              "PRODUCER_REGS": cfg.producer_regs}
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+
+
 def within_budget(rep: dict, kernel: str, hd: int) -> bool:
     """Spills within ``SPILL_STORE_BUDGET``, wgmma present and not serialised by ptxas, shared
     memory that fits an SM."""
     budget = SPILL_STORE_BUDGET[kernel, hd]
-    return (rep["spill_stores"] <= budget and rep["stack"] <= budget and rep["HGMMA"] > 0
+    return (rep["spill_stores"] <= budget and rep["stack"] <= budget and rep["HGMMA"] + rep["QGMMA"] > 0
             and not rep["wgmma_serialized"] and rep["shared"] <= 232448)
 
 
@@ -94,11 +114,13 @@ def variants():
             ("forward", "backward"), ((False, False), (True, False), (False, True)), (False, True), ("bf16", "fp16")):
         for hd in HEAD_DIMS[kernel]:
             yield dict(kernel=kernel, hd=hd, causal=causal, window=window, varlen=varlen, dtype=dtype)
+    for hd, causal in itertools.product(HEAD_DIMS["fp8"], (False, True)):  # dense, e4m3 only
+        yield dict(kernel="fp8", hd=hd, causal=causal)
 
 
 def compile_variant(kernel: str, **shape):
-    """``compile_forward`` or ``compile_backward`` of one ``variants()`` entry."""
-    return (compile_forward if kernel == "forward" else compile_backward)(**shape)
+    """``compile_forward``, ``compile_backward`` or ``compile_fp8`` of one ``variants()`` entry."""
+    return {"forward": compile_forward, "backward": compile_backward, "fp8": compile_fp8}[kernel](**shape)
 
 
 def main(argv=None) -> int:
@@ -113,7 +135,7 @@ def main(argv=None) -> int:
             print(json.dumps({**v, **rep}), flush=True)
         else:
             print(("ok  " if ok else "BAD ") + " ".join(f"{k}={x}" for k, x in v.items()), {
-                k: rep[k] for k in ("registers", "spill_stores", "spill_loads", "shared", "HGMMA", "LDL",
+                k: rep[k] for k in ("registers", "spill_stores", "spill_loads", "shared", "HGMMA", "QGMMA", "LDL",
                                     "wgmma_serialized")}, flush=True)
     return 1 if bad else 0
 
