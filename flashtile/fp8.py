@@ -190,9 +190,9 @@ def flash_attn_fp8_func(
         ``out`` bfloat16 ``(batch, seqlen_q, nheads, headdim)``, or ``(out, lse)``.  Detached:
         forward only.
 
-    CUDA tensors run an FP8 kernel (both GEMMs on FP8 tensor cores, P rounded to e4m3): on
-    Hopper the Gluon one for head dims up to 128 (V transposed on the host), elsewhere the
-    ``tl.*`` one (``FLASHTILE_ENGINE`` chooses as for the bf16 kernels).  CPU tensors
+    CUDA tensors run an FP8 kernel (both GEMMs on FP8 tensor cores, P rounded to e4m3): the
+    ``tl.*`` one, or with ``FLASHTILE_ENGINE=gluon`` on Hopper the Gluon one (head dims up to
+    128, V transposed on the host).  CPU tensors
     dequantise to float32 and run the tiled CPU attention, which does not round P -- the
     value the GPU result approximates.
     """

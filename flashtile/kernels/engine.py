@@ -12,9 +12,10 @@ Two engines compute the same attention on CUDA tensors:
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention.py``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
-The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi, not
-``deterministic``), which only a forced ``gluon`` selects: it is not faster than the ``tl.*``
-backward yet (``backward_engine``).
+The backward and the FP8 forward have Gluon kernels too (head dims up to 128; the backward
+without dropout, softcap or ALiBi, not ``deterministic``), which only a forced ``gluon``
+selects: neither is faster than its ``tl.*`` counterpart yet (``backward_engine``,
+``fp8_forward_engine``).
 
 ``auto`` (the default) takes ``gluon`` where it applies and ``triton`` elsewhere.  The
 environment variable ``FLASHTILE_ENGINE`` (``auto``, ``gluon`` or ``triton``) overrides the
@@ -138,18 +139,19 @@ GLUON_FP8_MAX_HEADDIM = 128
 
 
 def fp8_forward_engine(q: torch.Tensor) -> str:
-    """``"gluon"`` or ``"triton"`` for ``flash_attn_fp8_func`` on ``q``'s device (e4m3 inputs):
-    ``auto`` takes the Gluon FP8 forward wherever it can run the call."""
-    wanted = requested_engine()
-    if wanted == "triton":
+    """``"gluon"`` or ``"triton"`` for ``flash_attn_fp8_func`` on ``q``'s device (e4m3 inputs).
+
+    ``auto`` keeps the ``tl.*`` FP8 kernel: the Gluon one measured slower on an H200 (d = 64,
+    N = 16k: 312-347 against 522-541 TFLOP/s; docs/tuning.md).  ``gluon`` forces it where it
+    can run the call.
+    """
+    if requested_engine() != "gluon":
         return "triton"
     reason = None if q.is_cuda else "the tensors are not on a CUDA device"
     if reason is None:
         reason = gluon_device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if reason is None and q.shape[-1] > GLUON_FP8_MAX_HEADDIM:
         reason = f"head dim {q.shape[-1]} (the Gluon FP8 forward takes up to {GLUON_FP8_MAX_HEADDIM})"
-    if reason is None:
-        return "gluon"
-    if wanted == "gluon":
+    if reason is not None:
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon FP8 forward cannot run this call: {reason}")
-    return "triton"
+    return "gluon"

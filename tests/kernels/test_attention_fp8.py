@@ -272,8 +272,8 @@ GPU_CASES = [
 
 
 def _engine(monkeypatch, engine, headdim):
-    # FLASHTILE_ENGINE picks the FP8 kernel as it does the bf16 ones: the Gluon one on Hopper
-    # for head dims up to 128, the tl.* one everywhere.
+    # FLASHTILE_ENGINE picks the FP8 kernel: gluon forces the Gluon one (Hopper, head dims up
+    # to 128), triton the tl.* one.
     if engine == "gluon" and not (torch.cuda.get_device_capability() == (9, 0) and headdim <= 128):
         pytest.skip("the Gluon FP8 forward runs on sm_90, head dims up to 128")
     monkeypatch.setenv("FLASHTILE_ENGINE", engine)

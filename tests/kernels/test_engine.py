@@ -67,3 +67,13 @@ def test_forced_gluon_backward_rule_on_hopper(monkeypatch):
         engine.backward_engine(make(256), make(256))
     with pytest.raises(NotImplementedError, match="deterministic"):
         engine.backward_engine(make(128), make(128), deterministic=True)
+
+
+def test_fp8_takes_the_tl_kernel_unless_gluon_is_forced(monkeypatch):
+    q = torch.zeros(1, 4, 2, 128)
+    for value in ("auto", "triton"):
+        monkeypatch.setenv(engine.ENGINE_ENV, value)
+        assert engine.fp8_forward_engine(q) == "triton"
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    with pytest.raises(NotImplementedError, match="Gluon FP8 forward cannot run this call.*CUDA"):
+        engine.fp8_forward_engine(q)
