@@ -376,6 +376,13 @@ def cached_launch_config(batch: int, nheads_k: int, capacity: int, device: torch
     return launch_config(batch, nheads_k, capacity, device, paged, hd, rows, elt, TUNING.parse(tuning_text))
 
 
+# Positions of the int length shared by every sequence (``seqlen_k_all`` / ``seqlen_all``),
+# which grows every decoding step, among the kernels' runtime arguments: a hint for the
+# launch layer's key (classified each call instead of memoised by value).
+_SPLIT_DYNAMIC = (31,)
+_APPEND_DYNAMIC = (36,)
+
+
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
            softcap, alibi_slopes, num_splits, cache_leftpad=None, seqlen_new=0):
     """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
@@ -445,7 +452,7 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
         DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, HAS_LEFTPAD=cache_leftpad is not None,
         num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
-    ))
+    ), dynamic=_SPLIT_DYNAMIC)
     if not direct:
         launch(_combine_splits, (batch * seqlen_q * nheads,), (
             o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, d,
@@ -603,4 +610,4 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)), PAGED=paged, PAGE_SIZE=page_size,
         HAS_BATCH_IDX=cache_batch_idx is not None, HAS_SEQLENS=has_seqlens, ROTARY=cos is not None,
         INTERLEAVED=interleaved, HAS_LEFTPAD=leftpad is not None, num_warps=4,
-    ))
+    ), dynamic=_APPEND_DYNAMIC)

@@ -405,3 +405,20 @@ def test_gpu_direct_launch_host_time_is_below_the_ordinary_launch(strict_direct,
     ordinary = per_call_us()
     print(f"host us per call: direct {direct:.1f}, ordinary {ordinary:.1f}")
     assert direct < 0.8 * ordinary, (direct, ordinary)
+
+
+def test_dynamic_hints_name_the_growing_lengths():
+    """The decode launchers' ``dynamic`` positions point at the shared int length (a stale
+    position would only cost speed, not correctness: the hint does not change the key)."""
+    import inspect
+
+    from flashtile.kernels import decode
+
+    for kernel, positions, names in ((decode._decode_split, decode._SPLIT_DYNAMIC, ["seqlen_k_all"]),
+                                     (decode._append_kv, decode._APPEND_DYNAMIC, ["seqlen_all"])):
+        params = list(inspect.signature(kernel.fn).parameters)
+        assert [params[i] for i in positions] == names
+    from flashtile.kernels import attention
+
+    params = list(inspect.signature(attention._attn_fwd.fn).parameters)
+    assert [params[i] for i in attention._FWD_DYNAMIC] == ["seed", "rng_offset"]
