@@ -125,8 +125,10 @@ def test_rotary_needs_both_tables_and_a_bad_table_writes_nothing():
     assert torch.equal(c["k_store"], before), "a refused call appends nothing"
 
 
-# The append kernel rotates the new keys itself on a GPU (one launch fewer): in the
-# interpreter it must write exactly what apply_rotary_emb followed by the plain append writes.
+# The append kernel rotates the new keys itself on a GPU (one launch fewer): it must write
+# what apply_rotary_emb followed by the plain append writes -- bit for bit in the interpreter
+# and in bf16; float32 on a GPU within a few ulps (the two kernels' x cos - y sin contract into
+# FMAs differently: all 24 float32 cases differed in last bits on an H200, every bf16 one matched).
 _needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available()
                                          or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
                                     reason="needs a GPU or the interpreter")
@@ -173,4 +175,8 @@ def test_append_kernel_rotation_writes_what_the_rotary_kernel_writes(interleaved
     append_kv(k_cache, v_cache, k_new, v_new, seqlens, None, table, rotary=(cos, sin, interleaved, leftpad))
     assert torch.equal(v_cache, want_v)
     assert torch.equal(k_cache.isnan(), want_k.isnan())
-    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
+    assert torch.equal(k_cache.isinf(), want_k.isinf())
+    if device == "cuda" and dtype == torch.float32:
+        torch.testing.assert_close(k_cache.nan_to_num(), want_k.nan_to_num(), rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
