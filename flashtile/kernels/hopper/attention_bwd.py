@@ -238,7 +238,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
 
 
 @gluon.jit
-def _attn_bwd_hopper(
+def attention_bwd_kernel(
     Q_desc, K_desc, V_desc, DO_desc, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
@@ -339,7 +339,7 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
             dq_strides = (dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2))
             kv_strides = (dk.stride(0), dk.stride(1), dk.stride(2))
         cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
-        _attn_bwd_hopper[(num_items,)](
+        attention_bwd_kernel[(num_items,)](
             layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
             layout.tiles(v, cfg.block_n, hd, descriptor), layout.tiles(dout, cfg.block_m, hd, descriptor),
             dq_acc, dk, dv, lse2, delta, cu_q, cu_k, *dq_strides, *kv_strides, stride_lb, stride_lh,

@@ -94,9 +94,10 @@ def work_item(t, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads
 def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr):
     """Per work item: the query tile once its buffer is free, then K_j and V_j into ring slot
-    ``count % NUM_STAGES`` once both consumers have released it (``count`` runs across items)."""
+    ``count % NUM_STAGES`` once both consumers have released it (``count`` runs across items).
+    FP8 reads V transposed, ``(batch, nheads_k, headdim, seqlen_k)``."""
     count = 0
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -122,7 +123,11 @@ def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, 
                 tma.async_copy_global_to_shared(K_desc, [b, row, hk, 0], k_ready.index(slot), k_bufs.index(slot))
                 mbarrier.wait(v_empty.index(slot), free_phase)
                 mbarrier.expect(v_ready.index(slot), V_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(V_desc, [b, row, hk, 0], v_ready.index(slot), v_bufs.index(slot))
+                if FP8:
+                    v_coord = [b, hk, 0, row]
+                else:
+                    v_coord = [b, row, hk, 0]
+                tma.async_copy_global_to_shared(V_desc, v_coord, v_ready.index(slot), v_bufs.index(slot))
                 count += 1
 
 
@@ -164,20 +169,42 @@ def hand_turn(turn_bar, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            FP8: gl.constexpr):
+    """Issue ``P V`` for one key tile: accumulated onto ``acc`` (16-bit), or into a fresh
+    accumulator that the caller adds in fp32 (FP8, V stored K-major)."""
+    if FP8:
+        v = v_buf.reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+        return warpgroup_mma(p, v, gl.zeros(acc.shape, gl.float32, layout=o_layout), use_acc=False, is_async=True)
+    return warpgroup_mma(p, v_buf.reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+
+
+@gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
-              O, LSE, CU_Q, CU_K, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-              seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
-              num_items, row_off,
+              O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+              stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+              window_left, window_right, num_items, row_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
-    """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop."""
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
+              FP8: gl.constexpr, OFFSET: gl.constexpr):
+    """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop.
+
+    With ``FP8`` (e4m3 inputs, see ``attention_fp8.py``): the (batch, kv head)'s descales
+    ``DESCALES[0 / 1 / 2, b, hk]`` scale the scores and the output, P is cast to e4m3 after
+    the max offset ``2^OFFSET``, V's tiles are K-major ``[HEAD_DIM, BLOCK_N]``, and each
+    tile's P V is a fresh wgmma accumulator added in fp32 (the FP8 wgmma accumulates at
+    reduced precision, so chaining tiles in it drops a long row's small terms).
+    """
     ROWS: gl.constexpr = CONSUMER_ROWS
     dtype: gl.constexpr = q_smem.dtype
+    # The K step of one wgmma: 32 one-byte elements, 16 two-byte ones.
+    K_STEP: gl.constexpr = 32 if FP8 else 16
+    p_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM, K_STEP])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # 16-byte stores: each thread writes 8 consecutive columns of a row.
     VEC: gl.constexpr = 8
@@ -191,9 +218,13 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     for it in range(gl.cdiv(num_items - pid, nprog)):  # it: this program's item count, the query buffer's phase
-        b, h, _hk, m0, q_start, _ks, sq, sk, lo, full_lo, full_hi, n_tiles = work_item(
+        b, h, hk, m0, q_start, _ks, sq, sk, lo, full_lo, full_hi, n_tiles = work_item(
             pid + it * nprog, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left,
             window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        scale = qk_scale
+        if FP8:
+            ds = DESCALES + b * stride_dsb + hk
+            scale = qk_scale * gl.load(ds) * gl.load(ds + stride_ds)
         mbarrier.wait(q_ready, it & 1)
         if n_tiles < 0:
             mbarrier.arrive(q_empty, count=1)
@@ -213,10 +244,10 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                 hand_turn(their_turn, PINGPONG)
                 qk = warpgroup_mma_wait(0, deps=[qk])
                 mbarrier.arrive(k_empty.index(slot), count=1)
-                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, lo, offs_m, sq, sk, qk_scale,
-                                                   window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
-                                                   MASK_LEFT, MASK_RIGHT)
-                p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, lo, offs_m, sq, sk, scale,
+                                                  window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
+                                                  MASK_LEFT, MASK_RIGHT, OFFSET)
+                p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
                 count += 1
                 # One induction variable, the ring count c: this item's tile c - first starts at
                 # key n_base + c * BLOCK_N.
@@ -232,41 +263,50 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                     qk = warpgroup_mma(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
                                    is_async=True)
                     mbarrier.wait(v_ready.index(prev), ((c - 1) // NUM_STAGES) & 1)
-                    v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                    acc = warpgroup_mma(p_prev, v, acc, is_async=True)
+                    pv = _pv_mma(p_prev, v_bufs.index(prev), acc, o_layout, BLOCK_N, HEAD_DIM, FP8)
                     hand_turn(their_turn, PINGPONG)
                     # wgmma groups retire in order: S_j is ready while P_{j-1} V_{j-1} still runs.
-                    qk, acc = warpgroup_mma_wait(1, deps=[qk, acc])
+                    qk, pv = warpgroup_mma_wait(1, deps=[qk, pv])
                     mbarrier.arrive(k_empty.index(slot), count=1)
-                    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, qk_scale,
-                                                       window_left, window_right, full_lo, full_hi, s_layout,
-                                                       BLOCK_N, MASK_LEFT, MASK_RIGHT)
-                    acc = warpgroup_mma_wait(0, deps=[acc])
+                    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, scale,
+                                                      window_left, window_right, full_lo, full_hi, s_layout,
+                                                      BLOCK_N, MASK_LEFT, MASK_RIGHT, OFFSET)
+                    pv = warpgroup_mma_wait(0, deps=[pv])
                     mbarrier.arrive(v_empty.index(prev), count=1)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                    p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                    if FP8:
+                        pv = acc + pv
+                    acc = pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                    p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
                 count = end
                 # The query tile is no longer read: the producer may load the next one.
                 mbarrier.arrive(q_empty, count=1)
                 last = (count - 1) % NUM_STAGES
                 mbarrier.wait(v_ready.index(last), ((count - 1) // NUM_STAGES) & 1)
-                v = v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM])
-                acc = warpgroup_mma(p_prev, v, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                pv = _pv_mma(p_prev, v_bufs.index(last), acc, o_layout, BLOCK_N, HEAD_DIM, FP8)
+                pv = warpgroup_mma_wait(0, deps=[pv])
                 mbarrier.arrive(v_empty.index(last), count=1)
+                if FP8:
+                    pv = acc + pv
+                acc = pv
             else:
                 mbarrier.arrive(q_empty, count=1)
 
             # Deferred normalisation: one reciprocal per row; an empty row (l = 0) is selected
             # to 0, so no inf or NaN in V can reach it.
+            # FP8: l carries the max offset's 2^OFFSET as acc does, so only the LSE takes it
+            # out, and V's descale joins 1 / l.
             empty = l_i == 0.0
-            inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+            if FP8:
+                inv_l = gl.where(empty, 0.0, gl.load(DESCALES + 2 * stride_ds + b * stride_dsb + hk)
+                                 / gl.where(empty, 1.0, l_i))
+            else:
+                inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i)) - OFFSET) * LN2)
             lse_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
             gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < sq)
             out = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
             out = gl.where(gl.expand_dims(gl.convert_layout(empty, gl.SliceLayout(1, o_layout)), 1), 0.0, out)
-            out = gl.convert_layout(out.to(dtype), store_layout)
+            out = gl.convert_layout(out.to(O.dtype.element_ty), store_layout)
             rows = m0 + row_off + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
             cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
             o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_om
@@ -275,13 +315,13 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
 
 
 @gluon.jit
-def _attn_fwd_hopper(
-    Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K,
-    stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+def attention_fwd_kernel(
+    Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K, DESCALES,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb,
     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right, num_items,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -312,17 +352,18 @@ def _attn_fwd_hopper(
     ROWS: gl.constexpr = CONSUMER_ROWS
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(0),
-                     turns.index(1), O, LSE, CU_Q, CU_K, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
-                     num_items, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG)),
+                     turns.index(1), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                     stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+                     window_left, window_right, num_items, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT,
+                     MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
-                     turns.index(0), O, LSE, CU_Q, CU_K, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right,
-                     num_items, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN,
-                     PINGPONG)),
+                     turns.index(0), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                     stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+                     window_left, window_right, num_items, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT,
+                     MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
         (_producer, (Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
-                     num_items, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                     num_items, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -417,16 +458,16 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     grid = (min(num_items, sm_count(q.device.index)) if cfg.persistent else num_items,)
     # Through the launch layer: after the first call of a class, the compiled kernel is
     # launched directly (descriptors are classified by dtype, box and shared layout).
-    launch(_attn_fwd_hopper, grid, (
+    launch(attention_fwd_kernel, grid, (
         layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
-        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k,
-        stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k, lse,  # no descales (16-bit inputs)
+        stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0,
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
         softmax_scale * LOG2E, window_left, window_right, num_items,
     ), dict(
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
         num_warps=4, maxnreg=cfg.maxnreg,
     ))
     return out, lse

@@ -43,15 +43,15 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
                     dtype: str = "bf16", config: fwd.HopperConfig | None = None):
     """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
     cfg = config or fwd.config_for(hd)
-    fn = fwd._attn_fwd_hopper
-    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh seqlen_q seqlen_k max_seqlen_q nheads group headdim "
-            "window_left window_right num_items").split()
+    fn = fwd.attention_fwd_kernel
+    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
+            "nheads group headdim window_left window_right num_items").split()
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32",
-           "CU_K": "*i32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
+           "CU_K": "*i32", "DESCALES": "*fp32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
-              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}
+              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": False, "OFFSET": 0}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -62,7 +62,7 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
                      dtype: str = "bf16", config: bwd.HopperBwdConfig | None = None, **constexprs):
     """The backward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
     cfg = config or bwd.config_for(hd)
-    fn = bwd._attn_bwd_hopper
+    fn = bwd.attention_bwd_kernel
     ints = ("stride_dqb stride_dqm stride_dqh stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k "
             "max_seqlen_k nheads_k group headdim window_left window_right num_items").split()
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
@@ -82,18 +82,19 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
 
 
 def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | None = None):
-    """The FP8 forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
+    """The forward kernel in its FP8 form as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
     cfg = config or fp8.config_for(hd, causal)
-    fn = fp8._attn_fwd_fp8_hopper
-    ints = ("stride_qdb stride_qdh stride_kdb stride_kdh stride_vdb stride_vdh stride_ob stride_om stride_oh "
-            "seqlen_q seqlen_k nheads group headdim num_items").split()
+    fn = fwd.attention_fwd_kernel
+    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
+            "nheads group headdim window_left window_right num_items").split()
     sig = {"Q_desc": _desc("fp8e4nv", cfg.block_m, hd), "K_desc": _desc("fp8e4nv", cfg.block_n, hd),
-           "VT_desc": _desc("fp8e4nv", 0, 0, [1, 1, hd, cfg.block_n]), "O": "*bf16", "LSE": "*fp32",
-           "Q_DESCALE": "*fp32", "K_DESCALE": "*fp32", "V_DESCALE": "*fp32", "softmax_scale_log2": "fp32",
+           "V_desc": _desc("fp8e4nv", 0, 0, [1, 1, hd, cfg.block_n]), "O": "*bf16", "LSE": "*fp32",
+           "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "qk_scale": "fp32",
            **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
-              "CAUSAL": causal, "OFFSET": fp8.MAX_OFFSET, "CONSUMER_REGS": cfg.consumer_regs,
-              "PRODUCER_REGS": cfg.producer_regs}
+              "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False, "PINGPONG": True,
+              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": True,
+              "OFFSET": fp8.MAX_OFFSET}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
