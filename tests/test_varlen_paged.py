@@ -57,6 +57,9 @@ SHAPES = [
     (16, [5, 0, 17], [40, 3, 17]),
     (64, [1, 33], [100, 70]),
     (8, [9], [9]),
+    # Pages larger than the kernels' key tiles: a tile never straddles two pages.
+    (256, [5, 40], [300, 257]),
+    (512, [33], [700]),
 ]
 
 
@@ -70,7 +73,7 @@ def test_paged_varlen_cpu_matches_reference(page_size, lens_q, lens_k, causal):
 
 
 @needs_kernels
-@pytest.mark.parametrize("page_size, lens_q, lens_k", SHAPES[:2])
+@pytest.mark.parametrize("page_size, lens_q, lens_k", SHAPES[:2] + SHAPES[3:])
 @pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (7, 3))])
 def test_paged_varlen_kernel_matches_reference(page_size, lens_q, lens_k, causal, window):
     device = "cuda" if torch.cuda.is_available() else "cpu"
