@@ -19,7 +19,8 @@ import itertools
 
 import triton
 
-from flashtile.kernels import attention as ka
+from flashtile.kernels.attention import backward as kb
+from flashtile.kernels.attention import forward as kf
 from flashtile.kernels.sass import TARGET, report
 COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32",
           "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32",
@@ -42,7 +43,7 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
              "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN,
              "HAS_DROPOUT": dropout}
     if kind == "fwd":
-        fn = ka._attn_fwd
+        fn = kf._attn_fwd
         # paged_kv: (K_CACHE, V_CACHE, BLOCK_TABLE, num_blocks, max_blocks, headdim, 6 strides).
         paged_kv = (f"*{dtype}", f"*{dtype}", "*i32") + ("i32",) * 9 if PAGED else ("*fp32",) * 3 + ("i32",) * 9
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
@@ -51,14 +52,14 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
                "group": "i32", "max_seqlen_q": "i32"}
         consts = dict(masks, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE if PAGED else 1)
     elif kind == "dkdv":
-        fn = ka._attn_bwd_dkdv
+        fn = kb._attn_bwd_dkdv
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "DO_desc": _desc(bm, hd, dtype), "DK_desc": _desc(bn, hd, dtype), "DV_desc": _desc(bn, hd, dtype),
                "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads_k": "i32",
                "group": "i32", "softmax_scale": "fp32", "max_seqlen_k": "i32"}
         consts = masks
     elif kind == "dq":
-        fn = ka._attn_bwd_dq
+        fn = kb._attn_bwd_dq
         sig = {"Q_desc": _desc(bm, hd, dtype), "K_desc": _desc(bn, hd, dtype), "V_desc": _desc(bn, hd, dtype),
                "DO_desc": _desc(bm, hd, dtype), "DQ_desc": _desc(bm, hd, dtype), "DQ": f"*{dtype}",
                "LSE2": "*fp32", "Delta": "*fp32", **COMMON, "nheads": "i32", "group": "i32", "softmax_scale": "fp32",

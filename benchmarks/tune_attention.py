@@ -1,7 +1,7 @@
 """Sweep tile configurations of the Triton attention kernels on the GPU (bf16).
 
 Prints TFLOP/s per config for the forward and the backward at a few shapes, so the
-launch heuristics / autotune lists in ``flashtile/kernels/attention.py`` are chosen from
+launch heuristics / autotune lists in ``flashtile/kernels/attention/`` are chosen from
 measurements.  Usage: ``python benchmarks/tune_attention.py [--out results.jsonl]``.
 """
 

@@ -9,7 +9,7 @@ Two engines compute the same attention on CUDA tensors:
   ``auto`` sends it head dims 65-256 only: at 64 and below the two engines measured within
   run-to-run noise of each other on an H200, the ``tl.*`` one ahead at N = 1k (Gluon 364 /
   446 / 462 against ``tl.*`` 394 / 415 / 414 TFLOP/s at N = 1k / 4k / 16k; docs/tuning.md);
-* ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention.py``, for
+* ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
 The backward and the FP8 forward have Gluon kernels too (head dims up to 128; the backward

@@ -391,7 +391,7 @@ def test_dynamic_hints_name_the_growing_lengths():
                                      (decode._append_kv, decode._APPEND_DYNAMIC, ["seqlen_all"])):
         params = list(inspect.signature(kernel.fn).parameters)
         assert [params[i] for i in positions] == names
-    from flashtile.kernels import attention
+    from flashtile.kernels.attention import forward
 
-    params = list(inspect.signature(attention._attn_fwd.fn).parameters)
-    assert [params[i] for i in attention._FWD_DYNAMIC] == ["seed", "rng_offset"]
+    params = list(inspect.signature(forward._attn_fwd.fn).parameters)
+    assert [params[i] for i in forward._FWD_DYNAMIC] == ["seed", "rng_offset"]

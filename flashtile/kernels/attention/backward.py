@@ -1,0 +1,344 @@
+"""The attention backward in ``tl.*``, by recomputation from the LSE: kernels, tiles, launchers.
+
+  1. ``_bwd_preprocess``: D_i = rowsum(dO_i * O_i) (minus dLSE_i), and the LSE in log2
+     units with empty rows turned to +inf so their recomputed P is exactly 0.
+  2. ``_attn_bwd_dkdv``: one program per (key tile, batch * kv-head) holds K_j, V_j and loops
+     over the query tiles (and over the query heads of its GQA group), recomputing
+     P = exp2(Q K^T * scale*log2e - LSE*log2e); dV += P^T dO, dK += dS^T Q.
+  3. ``_attn_bwd_dq``: one program per (query tile, batch * head) loops over key tiles:
+     dQ += dS K.  No atomics anywhere, so the backward is bitwise deterministic.  (Folding
+     dQ into step 2 with atomics measured 25-45 % slower on an H200: docs/tuning.md.)
+
+Like the forward, each pass walks its tiles in up to three runs (``query_tiles`` /
+``key_tiles``) so that only the edge tiles pay for the mask.  With ``FLASHTILE_ENGINE=gluon``
+on Hopper (``engine.backward_engine``), steps 2 and 3 run as the Gluon kernel of
+``flashtile/kernels/hopper/attention_bwd.py`` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.kernels.attention.layout import Layout, dropout_args, max_seqlens, store_tile, unpad
+from flashtile.kernels.dropout import dropout_scale
+from flashtile.kernels.engine import backward_engine
+from flashtile.kernels.masking import key_tiles, query_tiles
+from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
+from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
+from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
+from flashtile.kernels.tma import padded_headdim
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, DLSE, LSE, Delta, LSE2, CU_Q, stride_lb, stride_lh,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    seqlen_q, max_seqlen_q, nheads, headdim,
+    HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    pid_m, bh = tile_and_head(max_seqlen_q, BLOCK_M, False)
+    b = bh // nheads
+    h = bh % nheads
+    q_start, seqlen_q, _, _ = sequence_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, VARLEN)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < headdim)
+    rows = (q_start + offs_m).to(tl.int64)[:, None]  # packed: the batch stride is 0
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    row_base = b.to(tl.int64) * stride_lb + h * stride_lh + q_start  # LSE / D / dropout-RNG row
+    row = row_base + offs_m
+    delta = tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        # d lse_i / d s_ij = P_ij: a gradient on the LSE only shifts D_i.
+        delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(Delta + row, delta, mask=offs_m < seqlen_q)
+    lse = tl.load(LSE + row, mask=offs_m < seqlen_q, other=float("-inf"))
+    # Rows with no visible key (LSE = -inf) get +inf, so exp2(s - LSE2) is exactly 0 for them.
+    tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634),
+             mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, row_base, n0, start, end,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+    dropout_p, seed, rng_offset, rng_cols,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate one query run's contribution to dK, dV of the resident key tile.
+
+    Scores the transposed tile (keys x queries) with K, V as the left (A) operand, so P^T
+    and dS^T feed the dV / dK products directly (the other orientation -- K and V as the
+    right operand, P and dS transposed -- spilled more in the offline register report).
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = Q_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+        # Rows past seqlen_q (zeros, or the next packed sequence's finite rows) read
+        # LSE2 = +inf and D = 0: their P and dS are exactly 0, so they add nothing.
+        lse2 = tl.load(LSE2 + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+        delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        do = DO_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        pT, tanhT = recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
+                                 qk_scale, window_left, window_right, softcap_scale, softcap_log2,
+                                 slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        dropT = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+                              HAS_DROPOUT, KEYS_FIRST=True)
+        dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q_desc, K_desc, V_desc, DO_desc, DK_desc, DV_desc, DK, DV, LSE2, Delta, ALIBI, stride_ab,
+    CU_Q, CU_K, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, qk_scale, softmax_scale, window_left, window_right,
+    softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n, bhk = tile_and_head(max_seqlen_k, BLOCK_N, False)
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
+    n0 = pid_n * BLOCK_N
+    batch = b
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        if n0 >= seqlen_k:
+            return
+        b = 0  # from here on b is only the descriptors' first coordinate
+    k = K_desc.load([b, k_start + n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+    v = V_desc.load([b, k_start + n0, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = query_tiles(n0, seqlen_q, seqlen_k, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    # GQA: the query heads of one group all read this K/V tile; summing their
+    # contributions here gives dK/dV without atomics or a K/V copy.
+    for g in range(0, group):
+        h = hk * group + g
+        rows = batch.to(tl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / D rows
+        slope_log2 = alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
+        if MASK_RIGHT:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, lo, full_lo,
+                                 seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_lo, full_hi,
+                             seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                             softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        if MASK_LEFT:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_hi, hi,
+                                 seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    store_tile(DV_desc, DV, b, k_start + n0, hk, dv, k_start + seqlen_k, VARLEN)
+    dk = dk * softmax_scale
+    store_tile(DK_desc, DK, b, k_start + n0, hk, dk, k_start + seqlen_k, VARLEN)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, start, end,
+    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+    dropout_p, seed, rng_offset, rng_row, rng_cols,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    for start_n in range(start, end, BLOCK_N):
+        k = K_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        v = V_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        p, tanh = recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
+                               qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
+                               MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        drop = dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
+                             HAS_DROPOUT)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, DQ, LSE2, Delta, ALIBI, stride_ab, CU_Q, CU_K, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, qk_scale, softmax_scale, window_left, window_right,
+    softcap_scale, softcap_log2, dropout_p, seed, rng_offset, rng_cols,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m, bh = tile_and_head(max_seqlen_q, BLOCK_M, MASK_RIGHT)
+    b = bh // nheads
+    h = bh % nheads
+    hk = h // group
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    slope_log2 = alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
+    row_base = b.to(tl.int64) * stride_lb + h * stride_lh + q_start  # LSE / D / dropout-RNG row
+    row = row_base + offs_m
+    if VARLEN:
+        if m0 >= seqlen_q:
+            return
+        b = 0  # from here on b is only the descriptors' first coordinate
+    q = Q_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    do = DO_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
+    lse2 = tl.load(LSE2 + row, mask=offs_m < seqlen_q, other=float("inf"))
+    delta = tl.load(Delta + row, mask=offs_m < seqlen_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
+                                         BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    if MASK_LEFT:
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, lo, full_lo,
+                       seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                       softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
+                       BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, full_lo, full_hi,
+                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                   softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, full_hi, hi,
+                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                   softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    dq = dq * softmax_scale
+    store_tile(DQ_desc, DQ, b, q_start + m0, h, dq, q_start + seqlen_q, VARLEN)
+
+
+# --------------------------------------------------------------------------------------
+# Tiles and launchers
+# --------------------------------------------------------------------------------------
+
+
+def bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[TileConfig, TileConfig]:
+    """(dK/dV config, dQ config), measured on an H200 (bf16, N = 16k; alternatives in docs/tuning.md).
+
+    Avoid dK/dV tiles with BLOCK_M == HEAD_DIM and BLOCK_N = 128: Triton 3.6 miscompiled
+    the non-causal kernel on sm_90 (dK, dV off by ~80 % relative, measured for (64, 128) at
+    d = 64 and (128, 128) at d = 128), while the same configs were correct for causal masks
+    and in the interpreter.  (64, 64) at d = 64 measured correct (relative error 2.4e-3,
+    as every other tile).
+    """
+    if INTERPRET:
+        return TileConfig(16, 32, 4, 1), TileConfig(16, 32, 4, 1)
+    if head_dim_pad <= 32:
+        return TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3)
+    if head_dim_pad <= 64:
+        # 357 / 370 TFLOP/s of backward at N = 16k (non-causal / causal) against 340 / 333
+        # with (32, 128) key tiles (benchmarks/tune_attention.py --bwd --headdims 64).
+        return TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 3)
+    if head_dim_pad <= 128:
+        # 32 queries per step keeps the dK/dV kernel's spills at tens of bytes instead of
+        # hundreds (benchmarks/kernel_report.py): 393 / 401 TFLOP/s of backward at d = 128,
+        # N = 16k (non-causal / causal) against 325 / 343 with 64 queries.
+        return TileConfig(32, 128, 8, 3), TileConfig(64, 64, 4, 3)
+    return TileConfig(64, 64, 8, 2), TileConfig(128, 64, 8, 2)
+
+
+def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
+              softcap, alibi_slopes, dropout, deterministic):
+    d = q.shape[-1]
+    hd = padded_headdim(d)
+    cfg_kv, cfg_q = configs or bwd_config(hd, q.dtype, window_right >= 0)
+    q_, k_, v_, do_ = (layout.prepare(t) for t in (q, k, v, dout))
+    nheads, nheads_k, batch = layout.nheads, layout.nheads_k, layout.batch
+    # The kernels address LSE-shaped tensors with the layout's contiguous strides; a view
+    # (ring attention passes the back half of each row's LSE) is copied first.
+    lse = lse.contiguous()
+    dlse = dlse.contiguous() if dlse is not None else None
+    seq = layout.seq_args(lse)
+
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    pre_m = 64 if not INTERPRET else 16
+    # Packed tensors have no batch dimension: batch stride 0, rows offset by cu_seqlens.
+    o_strides = (0, out.stride(0), out.stride(1)) if layout.varlen else (out.stride(0), out.stride(1), out.stride(2))
+    do_strides = (0, dout.stride(0), dout.stride(1)) if layout.varlen else (dout.stride(0), dout.stride(1), dout.stride(2))
+    _bwd_preprocess[(cdiv(layout.seqlen_q, pre_m) * batch * nheads,)](
+        out, dout, dlse if dlse is not None else lse, lse, delta, lse2, seq[0], seq[2], seq[3],
+        *o_strides, *do_strides, layout.rows_q, layout.seqlen_q, nheads, d,
+        HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd,
+    )
+    if configs is None and backward_engine(q, k, dropout, softcap, alibi_slopes, deterministic) == "gluon":
+        from flashtile.kernels.hopper import attention_bwd
+
+        dq_, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, softmax_scale,
+                                               window_left, window_right)
+        return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
+
+    dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
+    dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
+    dv_ = torch.empty(v_.shape, dtype=v.dtype, device=v.device)
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+    drop = dropout_args(dropout)
+    common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+                  DOT_PRECISION=dot_precision(q.dtype), HEAD_DIM=hd, VARLEN=layout.varlen,
+                  HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"])
+    rng = (drop["dropout_p"], drop["seed"], drop["rng_offset"], layout.rng_cols)
+    group = nheads // nheads_k
+    tiles = layout.tiles
+    _attn_bwd_dkdv[(cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
+        tiles(q_, cfg_kv.block_m, hd), tiles(k_, cfg_kv.block_n, hd), tiles(v_, cfg_kv.block_n, hd),
+        tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd), dk_, dv_,
+        lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
+        layout.rows_q, layout.rows_k, layout.seqlen_k, nheads_k, group,
+        softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+        mods["softcap_scale"], mods["softcap_log2"], *rng,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
+        num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+    )
+    _attn_bwd_dq[(cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](
+        tiles(q_, cfg_q.block_m, hd), tiles(k_, cfg_q.block_n, hd), tiles(v_, cfg_q.block_n, hd),
+        tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd), dq_,
+        lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
+        layout.rows_q, layout.rows_k, layout.seqlen_q, nheads, group,
+        softmax_scale * LOG2E, softmax_scale, window_left, window_right,
+        mods["softcap_scale"], mods["softcap_log2"], *rng,
+        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
+        num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+    )
+    return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
+
+
+def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, window_right=-1,
+                       deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None, dropout=None):
+    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added with atomics) or the
+    ``tl.*`` dK/dV and dQ kernels (no atomics: bitwise reproducible), the latter always when
+    ``deterministic``."""
+    return _backward(Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
+                     configs, softcap, alibi_slopes, dropout, deterministic)
+
+
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
+                              window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, max_seqlen_q=None,
+                              max_seqlen_k=None, configs=None, dropout=None, deterministic=False):
+    layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
+                     softcap, alibi_slopes, dropout, deterministic)
