@@ -121,7 +121,7 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
                     deterministic: bool = False) -> str:
     """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device.
 
-    ``auto`` keeps the ``tl.*`` backward: the Gluon one measured at 0.87-1.02x of it on an
+    ``auto`` keeps the ``tl.*`` backward: the Gluon one measured at 0.85-1.02x of it on an
     H200 (forward + backward, bf16, d = 64 / 128, N = 4k / 16k; docs/tuning.md), and it adds
     dQ with atomics (not bitwise reproducible).  ``gluon`` forces it where it can run the call.
     """
