@@ -9,7 +9,9 @@ layer's key and cache look-up -- with only the GPU-side pieces replaced:
 * tensors are CPU tensors that claim to be CUDA ones (``torch.Tensor.is_cuda`` is patched to
   ``True`` for the run, a Python property where torch has a C one: ~0.05 us per use), so
   every ``is_cuda`` branch takes the GPU path; the device queries flashtile makes
-  (capability, SM count, current device, stream capture) answer as an H200 would;
+  (capability, SM count, current device, stream capture, and the decode configuration's
+  device and shared memory) answer as an H200 would, so a decode call makes the H200's
+  launches and allocations (at the cases' shape: split kernel and combine);
 * Triton's ordinary launch (``JITFunction.run``) returns a stand-in compiled kernel whose
   launcher does nothing, and the driver's current device / stream getters are constants.
   The launch layer (``flashtile.kernels.launch``) runs as it does on a GPU: the first call
@@ -56,6 +58,7 @@ def stubbed_gpu():
     """CPU tensors on the GPU path, with Triton's launches and the device queries stubbed."""
     from triton.runtime.jit import JITFunction
 
+    from flashtile.kernels import decode as decode_mod
     from flashtile.kernels import launch as launch_mod
     from flashtile.kernels import runtime
 
@@ -79,7 +82,18 @@ def stubbed_gpu():
     patch(torch.cuda, "get_device_properties", lambda *a: _Props)
     patch(torch.cuda, "current_device", lambda: 0)
     patch(torch.cuda, "is_current_stream_capturing", lambda: False)
+    # The decode launch configuration asks the device's type (CPU tensors here: one SM, no
+    # split) and Triton's driver (shared memory): answered as on an H200 (132 SMs, 227 KB), so
+    # that the split count, and with it the launches and allocations, are the H200's.
+    real_config = decode_mod.cached_launch_config
+    h200 = torch.device("cuda", 0)
+    patch(decode_mod, "cached_launch_config", lambda batch, nheads_k, capacity, device, *rest: real_config(
+        batch, nheads_k, capacity, h200 if device.type == "cpu" else device, *rest))
+    patch(decode_mod, "smem_budget", lambda index: decode_mod.DEFAULT_SMEM_BYTES)
+    # The decode launch plans hold answers of the device queries (PDL, SM count): built afresh
+    # under the stubs, and not kept past them.
     runtime.has_programmatic_launch.cache_clear()
+    decode_mod.clear_plans()
     try:
         yield
     finally:
@@ -89,6 +103,7 @@ def stubbed_gpu():
             else:
                 setattr(obj, name, value)
         runtime.has_programmatic_launch.cache_clear()
+        decode_mod.clear_plans()
         launch_mod.clear()
 
 

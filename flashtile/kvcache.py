@@ -75,6 +75,81 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
         check_index_tensor("cache_seqlens", cache_seqlens, q.device, (batch,), f"(batch={batch},)")
 
 
+def _check_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                     window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad):
+    """Every check of ``flash_attn_with_kvcache`` that reads no index *value*, in order:
+    ``(params, capacity)``."""
+    _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    batch = q.shape[0]
+    if cache_leftpad is not None:
+        check_index_tensor("cache_leftpad", cache_leftpad, q.device, (batch,), f"(batch={batch},)")
+    # The common checks, without building (batch, ...) views of the cache: a decoding step
+    # lasts microseconds on the GPU, so the host path is kept to what is needed.
+    check_qkv_agree(q, k_cache, v_cache, "k_cache", "v_cache")
+    params = check_attention_scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap)
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, batch, q.shape[2], q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    return params, kvcache_capacity(k_cache, block_table)
+
+
+# The checks above passed once for a key (below) pass again for every call with that key:
+# they read the arguments' classes, shapes, strides, dtypes and devices and the scalars'
+# types and values, all of which are in it.  So a decoding loop, one key for thousands of
+# steps, pays them once; a call with a new key (a bad one included) runs them in full, and
+# a failing call caches nothing.  What depends on index values (an int ``cache_seqlens``
+# against the capacity, index tensors on the CPU) is checked at every call, after this.
+_MAX_CHECKED = 256
+_checked: dict = {}
+_Tensor = torch.Tensor
+
+
+class _Unkeyed(Exception):
+    """An argument the memo does not describe (a tensor subclass, a list window): full checks."""
+
+
+def _meta(t):
+    """What the checks read of an optional tensor argument."""
+    if t is None:
+        return None
+    if t.__class__ is _Tensor:
+        return t.shape, t.stride(), t.dtype, t.device
+    raise _Unkeyed
+
+
+def _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad):
+    """:func:`_check_arguments`, memoised by key (see ``_checked``); not while torch.compile
+    traces (the shapes may be symbolic: the checks are traced as they stand)."""
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad)
+    if torch.compiler.is_compiling():
+        return _check_arguments(*args)
+    try:
+        if window_size.__class__ is not tuple or cache_seqlens.__class__ not in (int, type(None), _Tensor):
+            raise _Unkeyed
+        # Scalars by value *and* type (True == 1 == 1.0 as dict keys, but the checks tell them
+        # apart), the window's elements too; an int cache_seqlens by its class only.
+        key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v),
+               cache_seqlens.__class__ if cache_seqlens.__class__ is not _Tensor else _meta(cache_seqlens),
+               _meta(cache_batch_idx), _meta(block_table), _meta(alibi_slopes), _meta(cache_leftpad),
+               softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+               tuple(map(type, (softmax_scale, causal, softcap, num_splits, return_lse, *window_size))))
+        checked = _checked.get(key)
+    except (_Unkeyed, TypeError):  # TypeError: an unhashable scalar
+        return _check_arguments(*args)
+    if checked is None:
+        checked = _check_arguments(*args)
+        if len(_checked) >= _MAX_CHECKED:
+            _checked.clear()
+        _checked[key] = checked
+    return checked
+
+
 def _physical_rows(positions, batch_rows, block_table, page_size):
     """(cache index, row) of logical ``positions`` (batch, n) of each sequence."""
     if block_table is None:
@@ -153,15 +228,19 @@ def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bloc
     A decoding step lasts microseconds on the GPU, so nothing but the kernels is launched:
     index tensors go to them as they are (int32 or int64), one int length for every sequence
     as an int, and the decode kernel adds the appended keys to the lengths itself."""
+    from flashtile.kernels.decode import append_kv, decode
+
     seqlen_new = 0
     if k is not None:
-        from flashtile.kernels.decode import append_kv
-
         seqlen_new = k.shape[1]
-        with torch.no_grad():
+        if torch.compiler.is_compiling():
+            with torch.no_grad():  # traced as a mutation of the cache, never differentiated
+                append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=rotary)
+        else:
+            # An eager launch is invisible to autograd: no grad mode to enter (~1 us).
             append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=rotary)
-    return _attend_triton(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, scale, left, right,
-                          softcap, alibi_slopes, num_splits, leftpad=leftpad, seqlen_new=seqlen_new)
+    return decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, scale, left, right, softcap,
+                  alibi_slopes, num_splits, cache_leftpad=leftpad, seqlen_new=seqlen_new)
 
 
 def flash_attn_with_kvcache(
@@ -215,23 +294,10 @@ def flash_attn_with_kvcache(
     Returns:
         ``out`` like q, or ``(out, lse)`` with lse float32 ``(batch, nheads, seqlen_q)``.
     """
-    _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    params, capacity = _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                          softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+                                          return_lse, cache_leftpad)
     batch = q.shape[0]
-    if cache_leftpad is not None:
-        check_index_tensor("cache_leftpad", cache_leftpad, q.device, (batch,), f"(batch={batch},)")
-    # The common checks, without building (batch, ...) views of the cache: a decoding step
-    # lasts microseconds on the GPU, so the host path is kept to what is needed.
-    check_qkv_agree(q, k_cache, v_cache, "k_cache", "v_cache")
-    params = check_attention_scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window_size, softcap=softcap)
-    if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, batch, q.shape[2], q.device)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-
-    capacity = kvcache_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         cache_seqlens = capacity if k is None else 0

@@ -28,7 +28,7 @@ def test_host_path_without_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "5 passed, 1 skipped" in done.stdout.splitlines()[-1], done.stdout[-2000:]
+    assert "6 passed, 1 skipped" in done.stdout.splitlines()[-1], done.stdout[-2000:]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -77,6 +77,26 @@ def test_decode_steps_launch_directly_after_the_first(stub, lengths):
     # The first step compiles (append + split kernel); a growing int length changes its class
     # at most at multiples of 16 (none between 100 and 105 but 112 is not reached).
     assert stub["ordinary"] == 2 and stub["direct"] == 10
+
+
+@in_child
+def test_decode_steps_reuse_their_checks_and_launch_plans(stub):
+    """A decoding loop (one shape, a growing length) checks its arguments and plans its
+    launches once: the memo of the checks, the append plans and the split plans (the combine
+    launch's included) gain one entry each, whatever the number of steps."""
+    from flashtile import kvcache
+    from flashtile.kernels import decode as kd
+
+    q, kc, vc, kn, vn = _decode_inputs()
+    kc, vc = (torch.zeros(2, 4096, 2, 64, dtype=torch.bfloat16) for _ in range(2))  # long enough to split
+    checked = len(kvcache._checked)
+    for step in range(6):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=1000 + step)
+    assert len(kvcache._checked) == checked + 1
+    assert len(kd._split_plans) == 1 and len(kd._append_plans) == 1
+    (plan,) = kd._split_plans.values()
+    assert not plan.direct  # the H200's split count: the combine kernel runs too
+    assert stub["ordinary"] == 3 and stub["direct"] == 15
 
 
 @in_child

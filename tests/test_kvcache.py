@@ -45,8 +45,8 @@ def _check(out, lse, q, kc, vc, table, lengths, causal=False, window=(-1, -1), a
     for b, n in enumerate(lengths):
         k, v = _logical(kc, table, b, n), _logical(vc, table, b, n)
         slopes = kw.get("alibi_slopes")
-        ref_o, ref_l = reference_attention(q[b:b + 1], k[None], v[None], causal=causal, window_size=window,
-                                           softcap=kw.get("softcap", 0.0),
+        ref_o, ref_l = reference_attention(q[b:b + 1], k[None], v[None], softmax_scale=kw.get("softmax_scale"),
+                                           causal=causal, window_size=window, softcap=kw.get("softcap", 0.0),
                                            alibi_slopes=None if slopes is None else slopes)
         torch.testing.assert_close(out[b:b + 1].double(), ref_o, atol=atol, rtol=1e-4)
         torch.testing.assert_close(lse[b:b + 1].double(), ref_l, atol=atol, rtol=1e-4)
@@ -183,6 +183,36 @@ def test_kernel_step_matches_the_cpu_path(page_size, lengths, splits):
 
 
 @needs_kernels
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_launch_plans_follow_strides_scalars_and_flags(page_size):
+    """Launch plans are cached per key (kernels/decode.py, _split_plans / _append_plans): calls
+    of one shape that differ in strides, scalars, flags or split count each launch as their
+    own arguments say, and a repeated call reuses its plan."""
+    from flashtile.kernels import decode as kd
+
+    q, kc, vc, table = _case(2, 2, 4, 2, 32, 64, page_size, seed=62, device=DEVICE)
+    lengths = torch.tensor([64, 23], dtype=torch.int32, device=DEVICE)
+    strided_q = torch.empty(2, 2, 4, 64, device=DEVICE)[..., :32].copy_(q)  # other strides, same shape
+    for args in ((q, lengths, 32 ** -0.5, -1, 0, 0.0, 1), (strided_q, lengths, 32 ** -0.5, -1, 0, 0.0, 1),
+                 (q, lengths, 0.3, -1, -1, 0.0, 3), (q, lengths, 0.3, 5, 0, 2.0, 3), (q, 23, 0.3, 5, 0, 2.0, 3)):
+        x, seqlens, scale, left, right, softcap, splits = args
+        for _ in range(2):
+            plans = len(kd._split_plans)
+            out, lse = kvcache._attend_triton(x, kc, vc, seqlens, None, table, scale, left, right, softcap, None,
+                                              splits)
+        assert len(kd._split_plans) == plans  # the repeat reused its plan
+        n = [23, 23] if isinstance(seqlens, int) else seqlens.tolist()
+        _check(out, lse, q, kc, vc, table, n, window=(left, right), softmax_scale=scale, softcap=softcap)
+    # The append: a strided k (another plan) lands like a contiguous one.
+    knew = torch.randn(2, 1, 2, 32, generator=_gen(63)).to(DEVICE)
+    for new in (knew, torch.empty(2, 1, 2, 64, device=DEVICE)[..., :32].copy_(knew)):
+        kc2, vc2 = kc.clone(), vc.clone()
+        kd.append_kv(kc2, vc2, new, new, lengths - 1, None, table)
+        for b, s in enumerate((lengths - 1).tolist()):
+            assert torch.equal(_logical(kc2, table, b, s + 1)[s], knew[b, 0])
+
+
+@needs_kernels
 def test_split_kernel_softcap_alibi_window_and_batch_idx():
     q, kc, vc, _ = _case(2, 2, 4, 2, 40, 64, seed=7, device=DEVICE)
     slopes = (torch.rand(4, generator=_gen(8)) * 0.3).to(DEVICE)
@@ -283,6 +313,46 @@ def test_validation(kwargs, exc, match):
     kc, vc = torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)
     with pytest.raises(exc, match=match):
         flashtile.flash_attn_with_kvcache(q, kc, vc, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(causal=1), TypeError, "causal"),
+    (dict(softmax_scale=True), TypeError, "softmax_scale"),
+    (dict(window_size=(True, -1)), TypeError, "window_size left"),
+    (dict(window_size=(-1.0, -1)), TypeError, "window_size left"),
+    (dict(num_splits=True), ValueError, "num_splits"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+    (dict(cache_seqlens=True), TypeError, "cache_seqlens"),
+    (dict(cache_seqlens=21), ValueError, "capacity"),
+])
+def test_memoised_checks_still_tell_equal_keys_of_other_types_apart(kwargs, exc, match):
+    """The checks are memoised per key (kvcache._checked): after a good call, a call whose
+    scalars equal the good ones as dict keys (1 == True == 1.0) but not as arguments still
+    raises, caches nothing, and an int length is still checked against the capacity."""
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)
+    good = dict(causal=True, softmax_scale=1, window_size=(1, -1), num_splits=1, return_lse=True, cache_seqlens=20)
+    flashtile.flash_attn_with_kvcache(q, kc, vc, **good)
+    flashtile.flash_attn_with_kvcache(q, kc, vc, **dict(good, window_size=[1, -1]))  # a list: checked, not memoised
+    cached = len(kvcache._checked)
+    with pytest.raises(exc, match=match):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, **dict(good, **kwargs))
+    assert len(kvcache._checked) == cached
+
+
+def test_memoised_checks_key_on_shapes_strides_and_devices():
+    """A cached good call does not let a tensor through that differs in what the checks read."""
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)
+    flashtile.flash_attn_with_kvcache(q, kc, vc, kc[:, :1], vc[:, :1], cache_seqlens=3)
+    with pytest.raises(ValueError, match="stride 0"):  # same shape, an expanded view
+        flashtile.flash_attn_with_kvcache(q, kc[:1].expand(2, -1, -1, -1), vc, kc[:, :1], vc[:, :1], cache_seqlens=3)
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        flashtile.flash_attn_with_kvcache(q.transpose(2, 3).contiguous().transpose(2, 3), kc, vc, cache_seqlens=3)
+    with pytest.raises(ValueError, match="dtype"):
+        flashtile.flash_attn_with_kvcache(q.half(), kc, vc, cache_seqlens=3)
+    with pytest.raises(ValueError, match="q's device"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([1, 2], device="meta"))
 
 
 @pytest.mark.parametrize("k_cache,match", [
@@ -600,8 +670,9 @@ def test_long_query_groups_run_in_several_row_tiles(paged, monkeypatch):
     from flashtile.kernels import decode as kd
 
     monkeypatch.setattr(kd, "MAX_TILE_ELEMENTS", 16 * 32)  # 16-row tiles at d = 32
-    # Configs are cached per shape: computed afresh here, from the patched constant.
+    # Configs and launch plans are cached per shape: computed afresh here, from the patched constant.
     monkeypatch.setattr(kd, "cached_launch_config", kd.cached_launch_config.__wrapped__)
+    monkeypatch.setattr(kd, "_split_plans", {})
     q, kc, vc, table = _case(2, 7, 6, 1, 32, 80, 16 if paged else None, seed=50, device=DEVICE)
     lengths = torch.tensor([80, 33], dtype=torch.int32, device=DEVICE)
     assert kd.launch_config(2, 1, 80, q.device, paged, 32, 42, 4).block_m == 16

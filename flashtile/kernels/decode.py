@@ -382,6 +382,95 @@ def cached_launch_config(batch: int, nheads_k: int, capacity: int, device: torch
 _SPLIT_DYNAMIC = (31,)
 _APPEND_DYNAMIC = (36,)
 
+# --- Launch plans ------------------------------------------------------------------------
+# A decoding loop calls with one shape for thousands of steps.  Everything of a launch but
+# the tensors and the shared int length -- grids, constexprs and options, split count, the
+# int and float arguments -- is a function of the shapes, strides, dtypes, device, flags and
+# scalars of the call (and of the tuning text), so it is worked out once per such key (a
+# plan) and a call only fills in its tensors and its length.  The kernels themselves are
+# looked up at every call (module globals: tests wrap them), as are the tuning text and
+# the launch layer's own key (alignment, int classes).  Bounded like the launch layer's
+# memos: a workload cycling through more keys than this builds plans again, nothing else.
+_MAX_PLANS = 256
+_split_plans: dict = {}
+_append_plans: dict = {}
+
+
+def clear_plans() -> None:
+    """Forget the cached launch plans (after a test changes what a plan was built from: the
+    tile constants, the device queries)."""
+    _split_plans.clear()
+    _append_plans.clear()
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class _SplitPlan:
+    """What :func:`decode` launches for one key: see its construction in :func:`_split_plan`."""
+
+    __slots__ = ("grid", "options", "stride_ab", "mid", "tail", "direct", "out_shape", "lse_shape", "o_numel",
+                 "part_numel", "combine_grid", "combine_options", "combine_tail")
+
+
+def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
+                softmax_scale, window_left, window_right, softcap, num_splits, seqlen_new, tuning_text):
+    """The launch plan of :func:`decode` for these arguments (the index tensors already made
+    contiguous as the kernel reads them)."""
+    batch, seqlen_q, nheads, d = q.shape
+    nheads_k = k_cache.shape[2]
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    hd = padded_headdim(d)
+    knob = TUNING.parse(tuning_text)
+    group = nheads // nheads_k
+    cfg = cached_launch_config(batch, nheads_k, capacity, q.device, paged, hd, group * seqlen_q, q.element_size(),
+                               tuning_text)
+    block_n = cfg.block_n
+    num_splits = num_splits if num_splits > 0 else cfg.num_splits
+    direct = num_splits == 1
+    pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
+    chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
+    plan = _SplitPlan()
+    plan.out_shape = (batch, seqlen_q, nheads, d)
+    plan.lse_shape = (batch, nheads, seqlen_q)
+    # The output is allocated contiguous at every call: its strides are those of a fresh tensor
+    # (torch's rule: each the product of the later sizes, a size 0 counted as 1).
+    out_strides = _contiguous_strides(plan.out_shape)
+    # The partials, (splits, batch, seqlen_q, nheads, HEAD_DIM) outputs then (splits, batch,
+    # nheads, seqlen_q) LSEs, contiguous in one float32 buffer (the kernels compute their
+    # offsets): one allocation per call instead of two.  The LSEs start 64-byte aligned
+    # (HEAD_DIM is a multiple of 16).
+    plan.o_numel = num_splits * batch * seqlen_q * nheads * hd
+    plan.part_numel = plan.o_numel + num_splits * batch * nheads * seqlen_q
+    plan.direct = direct
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, q)
+    plan.grid = (batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))
+    plan.stride_ab = mods["stride_ab"]
+    plan.mid = (*out_strides[:3], *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                block_table.stride(0) if paged else 0, seqlen_q, nheads_k, group, chunk, num_splits)
+    plan.tail = (seqlen_new, capacity, k_cache.shape[0], softmax_scale * LOG2E, window_left, window_right,
+                 mods["softcap_scale"], mods["softcap_log2"])
+    plan.options = dict(
+        HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
+        PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=has_batch_idx,
+        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, HAS_LEFTPAD=has_leftpad,
+        num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
+    )
+    plan.combine_grid = (batch * seqlen_q * nheads,)
+    plan.combine_tail = (num_splits, batch, seqlen_q, nheads, d, *out_strides[:3])
+    plan.combine_options = dict(HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
+                                num_warps=1 if INTERPRET else 4)
+    return plan
+
 
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
            softcap, alibi_slopes, num_splits, cache_leftpad=None, seqlen_new=0):
@@ -394,11 +483,10 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     or int64, read as they are.  One split is one launch; more add the combine kernel,
     launched programmatically dependent on Hopper.  Both go through
     :func:`flashtile.kernels.launch.launch` (compiled once per specialisation class, then
-    launched directly).  (Merging inside the split kernel -- the last split of each
-    (sequence, KV head) to finish merging them all -- measured slower: batch 1, 32k,
-    32 splits: 2.4 TB/s against 3.1.)"""
-    batch, seqlen_q, nheads, d = q.shape
-    nheads_k = k_cache.shape[2]
+    launched directly), with the launch plan of this call's key (see ``_MAX_PLANS``).
+    (Merging inside the split kernel -- the last split of each (sequence, KV head) to
+    finish merging them all -- measured slower: batch 1, 32k, 32 splits: 2.4 TB/s against
+    3.1.)"""
     # The kernel reads entry b of these at offset b (block-table rows with their own stride,
     # columns at stride 1): strided views are copied first (a no-op for contiguous ones).
     has_seqlens = isinstance(seqlens_k, torch.Tensor)
@@ -411,54 +499,43 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     paged = block_table is not None
     if paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    page_size = k_cache.shape[1] if paged else 1
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    hd = padded_headdim(d)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()  # the kernel steps over heads with stride 1
     tuning_text = os.environ.get(TUNING_ENV, "")
-    knob = TUNING.parse(tuning_text)
-    group = nheads // nheads_k
-    cfg = cached_launch_config(batch, nheads_k, capacity, q.device, paged, hd, group * seqlen_q, q.element_size(),
-                               tuning_text)
-    block_n = cfg.block_n
-    num_splits = num_splits if num_splits > 0 else cfg.num_splits
-    out = torch.empty((batch, seqlen_q, nheads, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    direct = num_splits == 1
-    if direct:
+    plan_args = (q, k_cache, v_cache, block_table, has_seqlens, cache_batch_idx is not None,
+                 cache_leftpad is not None, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                 num_splits, seqlen_new, tuning_text)
+    if torch.compiler.is_compiling():
+        plan = _split_plan(*plan_args)  # traced as it stands, no memo (shapes may be symbolic)
+    else:
+        # Everything the plan reads of the arguments: the (validated) scalars by value and type.
+        key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
+               None if block_table is None else (block_table.shape[1], block_table.stride(0)),
+               None if alibi_slopes is None else alibi_slopes.shape, has_seqlens, cache_batch_idx is not None,
+               cache_leftpad is not None, softmax_scale, window_left, window_right, softcap, num_splits, seqlen_new,
+               softmax_scale.__class__, softcap.__class__, tuning_text)
+        plan = _split_plans.get(key)
+        if plan is None:
+            if len(_split_plans) >= _MAX_PLANS:
+                _split_plans.clear()
+            plan = _split_plans[key] = _split_plan(*plan_args)
+    out = q.new_empty(plan.out_shape)  # q's dtype and device, contiguous
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.direct:
         o_part = lse_part = lse  # unused: the program writes out and lse itself
     else:
-        o_part = torch.empty((num_splits, batch, seqlen_q, nheads, hd), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
-    chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
-    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+        o_part = q.new_empty(plan.part_numel, dtype=torch.float32)
+        lse_part = o_part[plan.o_numel:]
     placeholder = lse  # for pointer arguments the kernel does not read
-    launch(_decode_split, (batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m)), (
+    launch(_decode_split, plan.grid, (
         q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
         block_table if paged else placeholder, cache_leftpad if cache_leftpad is not None else placeholder,
-        mods["alibi"], mods["stride_ab"], out, lse, out.stride(0), out.stride(1), out.stride(2),
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0,
-        seqlen_q, nheads_k, group, chunk, num_splits, 0 if has_seqlens else seqlens_k, seqlen_new, capacity,
-        k_cache.shape[0], softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"],
-        mods["softcap_log2"],
-    ), dict(
-        HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m,
-        BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
-        PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=cache_batch_idx is not None,
-        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, HAS_LEFTPAD=cache_leftpad is not None,
-        num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
-    ), dynamic=_SPLIT_DYNAMIC)
-    if not direct:
-        launch(_combine_splits, (batch * seqlen_q * nheads,), (
-            o_part, lse_part, out, lse, num_splits, batch, seqlen_q, nheads, d,
-            out.stride(0), out.stride(1), out.stride(2),
-        ), dict(HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
-                num_warps=1 if INTERPRET else 4))
+        alibi_slopes if alibi_slopes is not None else placeholder, plan.stride_ab, out, lse,
+    ) + plan.mid + (0 if has_seqlens else seqlens_k,) + plan.tail, plan.options, dynamic=_SPLIT_DYNAMIC)
+    if not plan.direct:
+        launch(_combine_splits, plan.combine_grid, (o_part, lse_part, out, lse) + plan.combine_tail,
+               plan.combine_options)
     return out, lse
 
 
@@ -566,19 +643,48 @@ def _append_kv(
                  vn.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
-def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=None):
-    """Write ``k``, ``v`` ``(batch, seqlen_new, nheads_k, d)`` into the cache at positions
-    ``cache_seqlens[b] ...`` (an int32 / int64 ``(batch,)`` tensor, or one int for every
-    sequence) in place: one launch (the torch equivalent is two scatters and the index
-    arithmetic before them), nothing written unless every index is valid.
+class _AppendPlan:
+    """What :func:`append_kv` launches for one key: see :func:`_append_plan`."""
 
-    ``rotary``: ``None`` or ``(cos, sin, interleaved, cache_leftpad)`` (checked by the caller:
-    :func:`flashtile.rotary.check_rotary_arguments`): ``k`` is written rotated at rotary
-    positions ``cache_seqlens[b] - cache_leftpad[b] + t`` (``cache_leftpad`` may be ``None``)."""
+    __slots__ = ("grid", "ints", "options")
+
+
+def _append_plan(k_cache, v_cache, k, v, has_seqlens, has_batch_idx, block_table, cos, sin, interleaved, has_leftpad):
     batch, seqlen_new, nheads_k, d = k.shape
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    block_t = min(64, max(1, next_power_of_2(seqlen_new)))
+    plan = _AppendPlan()
+    plan.grid = (batch, cdiv(seqlen_new, block_t))
+    plan.ints = (
+        cos.stride(0) if cos is not None else 0, cos.stride(1) if cos is not None else 0,
+        sin.stride(0) if sin is not None else 0, sin.stride(1) if sin is not None else 0,
+        cos.shape[0] if cos is not None else 0, cos.shape[1] if cos is not None else 0,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
+        batch, seqlen_new, nheads_k, d, capacity, k_cache.shape[0],
+    )
+    plan.options = dict(
+        HEAD_DIM=next_power_of_2(d), BLOCK_T=block_t, BLOCK_B=max(2, next_power_of_2(batch)),
+        BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)), PAGED=paged, PAGE_SIZE=page_size,
+        HAS_BATCH_IDX=has_batch_idx, HAS_SEQLENS=has_seqlens, ROTARY=cos is not None,
+        INTERLEAVED=interleaved, HAS_LEFTPAD=has_leftpad, num_warps=4,
+    )
+    return plan
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=None):
+    """Write ``k``, ``v`` ``(batch, seqlen_new, nheads_k, d)`` into the cache at positions
+    ``cache_seqlens[b] ...`` (an int32 / int64 ``(batch,)`` tensor, or one int for every
+    sequence) in place: one launch (the torch equivalent is two scatters and the index
+    arithmetic before them), nothing written unless every index is valid.  The launch's
+    grid, constexprs and int arguments come from a plan per key (see ``_MAX_PLANS``).
+
+    ``rotary``: ``None`` or ``(cos, sin, interleaved, cache_leftpad)`` (checked by the caller:
+    :func:`flashtile.rotary.check_rotary_arguments`): ``k`` is written rotated at rotary
+    positions ``cache_seqlens[b] - cache_leftpad[b] + t`` (``cache_leftpad`` may be ``None``)."""
     has_seqlens = isinstance(cache_seqlens, torch.Tensor)
     if has_seqlens:
         cache_seqlens = cache_seqlens.contiguous()
@@ -590,24 +696,26 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         cos, sin, interleaved, leftpad = rotary
         if leftpad is not None:
             leftpad = leftpad.contiguous()
-    block_t = min(64, max(1, next_power_of_2(seqlen_new)))
+    plan_args = (k_cache, v_cache, k, v, has_seqlens, cache_batch_idx is not None, block_table, cos, sin,
+                 interleaved, leftpad is not None)
+    if torch.compiler.is_compiling():
+        plan = _append_plan(*plan_args)  # traced as it stands, no memo (shapes may be symbolic)
+    else:
+        # Everything the plan reads of the arguments (``interleaved`` is a checked bool).
+        key = (k.shape, k.stride(), v.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
+               None if block_table is None else (block_table.shape[1], block_table.stride()),
+               None if cos is None else (cos.shape, cos.stride(), sin.stride(), interleaved),
+               has_seqlens, cache_batch_idx is not None, leftpad is not None)
+        plan = _append_plans.get(key)
+        if plan is None:
+            if len(_append_plans) >= _MAX_PLANS:
+                _append_plans.clear()
+            plan = _append_plans[key] = _append_plan(*plan_args)
     placeholder = k  # for pointer arguments the kernel does not read
-    launch(_append_kv, (batch, cdiv(seqlen_new, block_t)), (
+    launch(_append_kv, plan.grid, (
         k, v, k_cache, v_cache, cache_seqlens if has_seqlens else placeholder,
         cache_batch_idx if cache_batch_idx is not None else placeholder,
-        block_table if paged else placeholder,
+        block_table if block_table is not None else placeholder,
         cos if cos is not None else placeholder, sin if sin is not None else placeholder,
         leftpad if leftpad is not None else placeholder,
-        cos.stride(0) if cos is not None else 0, cos.stride(1) if cos is not None else 0,
-        sin.stride(0) if sin is not None else 0, sin.stride(1) if sin is not None else 0,
-        cos.shape[0] if cos is not None else 0, cos.shape[1] if cos is not None else 0,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_table.stride(0) if paged else 0, block_table.stride(1) if paged else 0,
-        batch, seqlen_new, nheads_k, d, capacity, k_cache.shape[0], 0 if has_seqlens else cache_seqlens,
-    ), dict(
-        HEAD_DIM=next_power_of_2(d), BLOCK_T=block_t, BLOCK_B=max(2, next_power_of_2(batch)),
-        BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)), PAGED=paged, PAGE_SIZE=page_size,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_SEQLENS=has_seqlens, ROTARY=cos is not None,
-        INTERLEAVED=interleaved, HAS_LEFTPAD=leftpad is not None, num_warps=4,
-    ), dynamic=_APPEND_DYNAMIC)
+    ) + plan.ints + (0 if has_seqlens else cache_seqlens,), plan.options, dynamic=_APPEND_DYNAMIC)
