@@ -134,7 +134,7 @@ def flashtile_backward_io(shape: AttentionShape, variant: str = "no_l2", tiles: 
 
     ``zero_filled_dlse``: autograd materialises the gradient of the unused LSE output as
     zeros (one fill kernel), and the preprocess then reads it (``HAS_DLSE``); True is what
-    ``flash_attn_func(..., return_lse=False)`` does today.
+    ``flash_attn_func(..., return_lse=False)`` does.
 
     * ``_bwd_preprocess``: reads O, dO (and LSE, dLSE); writes D and LSE·log2(e).
     * ``_attn_bwd_dkdv``: one program per (key tile, batch · kv head) loads K, V once and,
