@@ -16,6 +16,10 @@ The cache is contiguous ``(batch_cache, seqlen_cache, nheads_k, d)`` (rows of se
 ``cache_batch_idx[b]``) or paged ``(num_blocks, page_size, nheads_k, d)`` with
 ``block_table[b, j // page_size]`` holding key ``j`` -- any page size: each key row's
 address is computed on its own.
+
+One file past 600 lines on purpose: the three kernels of a decode step (split, combine,
+append) and their launch plans share one argument layout (the plans' dynamic positions index
+the kernels' parameter lists), so they are read and changed together.
 """
 
 from __future__ import annotations
