@@ -24,6 +24,12 @@ peak extra memory is O(batch * nheads * block_m * block_n), which
 Layouts follow flash-attn: q ``(batch, seqlen_q, nheads, d)``, k/v ``(batch, seqlen_k,
 nheads_k, d)``; LSE ``(batch, nheads, seqlen_q)`` float32, natural log.  Low-precision
 inputs are computed in float32 and the output cast back; float64 inputs in float64 throughout.
+
+Entry points: :func:`fwd`, :func:`bwd`, :func:`varlen_fwd` and :func:`varlen_bwd` take the
+call's :class:`~flashtile.semantics.params.AttentionParams` (what the custom ops of
+``flashtile.ops.attention`` pass); :func:`attention_forward` and the other ``*attention_*``
+functions are the same with its fields as keyword arguments and dropout as one
+``(p, seed, offset)``, for direct calls.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from flashtile.dropout import keep_mask
 from flashtile.masking import is_masked, key_range, visible
+from flashtile.semantics.params import AttentionParams
 
 BLOCK_M = 256
 BLOCK_N = 512
@@ -82,14 +89,14 @@ def engine_for(q_shape, k_shape, window_left=-1, window_right=-1, softcap=0.0, a
     return "tiled" if plan is None else "fused"
 
 
-def _check_engine(engine, q, k, window_left, window_right, softcap, alibi_slopes, dropout, dlse=None):
+def _check_engine(engine, q, k, params: AttentionParams, dlse=None):
     """The plan for ``engine`` (None: tiled); ``engine="fused"`` where it does not apply is an error."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "tiled":
         return None
-    plan = None if dlse is not None else fused_plan(q.shape, k.shape, window_left, window_right, softcap,
-                                                      alibi_slopes, dropout)
+    plan = None if dlse is not None else fused_plan(q.shape, k.shape, params.window_left, params.window_right,
+                                                      params.softcap, params.alibi_slopes, params.dropout)
     if plan is None and engine == "fused":
         raise ValueError("engine='fused' does not compute this call (softcap, ALiBi, dropout, a window, "
                          "bottom-right causal with seqlen_q < seqlen_k, an LSE gradient or an empty input)")
@@ -274,13 +281,32 @@ def attention_forward(
     rng_rows: tuple | None = None,
     engine: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout)
+    return fwd(q, k, v, params, block_m=block_m, block_n=block_n, rng_rows=rng_rows, engine=engine)
+
+
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: AttentionParams,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    rng_rows: tuple | None = None,
+    engine: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward. Returns ``out`` (like q) and ``lse`` (batch, nheads, seqlen_q), float32
     (float64 for float64 inputs).  ``engine``: ``"auto"`` (the fused kernel where it applies),
     ``"fused"`` (an error where it does not) or ``"tiled"``; ``block_m`` / ``block_n`` are the
-    tiled engine's chunk sizes (default: :func:`default_blocks`)."""
-    plan = _check_engine(engine, q, k, window_left, window_right, softcap, alibi_slopes, dropout)
+    tiled engine's chunk sizes (default: :func:`default_blocks`); ``rng_rows``: the dropout
+    RNG's row numbering (see :func:`_rng_head_rows`; default: the dense LSE's)."""
+    plan = _check_engine(engine, q, k, params)
     if plan is not None:
-        return _fused_forward(q, k, v, softmax_scale, plan)
+        return _fused_forward(q, k, v, params.softmax_scale, plan)
+    softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
+    softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
@@ -358,16 +384,40 @@ def attention_backward(
     deterministic: bool = False,
     engine: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`bwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout,
+                                           deterministic)
+    return bwd(dout, q, k, v, out, lse, params, dlse=dlse, block_m=block_m, block_n=block_n, rng_rows=rng_rows,
+               engine=engine)
+
+
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    params: AttentionParams,
+    *,
+    dlse: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    rng_rows: tuple | None = None,
+    engine: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward by recomputation: P is rebuilt block by block from Q, K and the LSE (either
     engine's LSE: both are the natural-log LSE of the same scores).
 
-    Always deterministic (no atomics, fixed reduction orders); ``deterministic`` is accepted
-    like the GPU backend's.  ``engine`` as in :func:`attention_forward`."""
+    Always deterministic (no atomics, fixed reduction orders), so ``params.deterministic``
+    changes nothing here.  The other arguments as in :func:`fwd`."""
     if dlse is not None and not bool(dlse.any()):
         dlse = None  # autograd hands an unused LSE's gradient over as zeros
-    plan = _check_engine(engine, q, k, window_left, window_right, softcap, alibi_slopes, dropout, dlse)
+    plan = _check_engine(engine, q, k, params, dlse)
     if plan is not None:
-        return _fused_backward(dout, q, k, v, out, lse, softmax_scale, plan)
+        return _fused_backward(dout, q, k, v, out, lse, params.softmax_scale, plan)
+    softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
+    softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
@@ -452,8 +502,10 @@ def _sequences(cu_seqlens_q, cu_seqlens_k):
         yield b, cq[b], cq[b + 1], ck[b], ck[b + 1]
 
 
-def _sequence_slopes(alibi_slopes, b):
-    return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+def _sequence_params(params: AttentionParams, b: int) -> AttentionParams:
+    """Sequence ``b``'s params: its row of ``(batch, nheads)`` ALiBi slopes; the rest shared."""
+    slopes = params.alibi_slopes
+    return params if slopes is None or slopes.dim() == 1 else params.with_alibi(slopes[b])
 
 
 def _varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k):
@@ -467,6 +519,14 @@ def _varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k):
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
                              softcap=0.0, alibi_slopes=None, dropout=None, max_seqlen_q=None, max_seqlen_k=None,
                              block_table=None):
+    """:func:`varlen_fwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout)
+    return varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, params, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k, block_table=block_table)
+
+
+def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, params: AttentionParams, *, max_seqlen_q=None, max_seqlen_k=None,
+               block_table=None):
     """Packed ``(total, nheads, d)`` forward; LSE ``(nheads, total_q)``.  With ``block_table``,
     k / v are ``(num_blocks, page_size, nheads_k, d)`` pages, gathered into packed rows first."""
     if block_table is not None:
@@ -476,9 +536,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
     for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:
             continue
-        o, l = attention_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, window_left,
-                                 window_right, softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b),
-                                 dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k))
+        o, l = fwd(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], _sequence_params(params, b),
+                   rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k))
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
@@ -498,18 +557,26 @@ def _gather_pages(cache, block_table, cu_seqlens_k):
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
                               window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, dropout=None,
                               max_seqlen_q=None, max_seqlen_k=None, deterministic=False):
+    """:func:`varlen_bwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout,
+                                           deterministic)
+    return varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params, dlse=dlse,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params: AttentionParams, *, dlse=None,
+               max_seqlen_q=None, max_seqlen_k=None):
+    """Packed backward: each sequence through :func:`bwd` on its own rows."""
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     for b, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0 or k1 == k0:
             continue
-        g = attention_backward(
+        g = bwd(
             dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-            lse[None, :, q0:q1], softmax_scale, window_left, window_right,
-            dlse=None if dlse is None else dlse[None, :, q0:q1],
-            softcap=softcap, alibi_slopes=_sequence_slopes(alibi_slopes, b),
-            dropout=dropout, rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k),
+            lse[None, :, q0:q1], _sequence_params(params, b), dlse=None if dlse is None else dlse[None, :, q0:q1],
+            rng_rows=_varlen_rng_rows(q, cu_seqlens_k, q0, max_seqlen_k),
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv

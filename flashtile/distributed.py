@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from flashtile.ops import attention as _ops
 from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens
+from flashtile.semantics.params import AttentionParams
 
 __all__ = [
     "ring_flash_attn_func",
@@ -192,13 +193,19 @@ def _merge_into(out, lse, o, l):
     lse.copy_(new)
 
 
+def _block_params(scale: float) -> dict[bool, AttentionParams]:
+    """A block's params by its causal flag: the full or the causal band, nothing else (ring
+    attention takes no window, softcap, ALiBi or dropout)."""
+    return {False: AttentionParams.full(scale), True: AttentionParams.causal(scale)}
+
+
 class _Dense:
     """Blocks of dense ``(batch, seqlen, heads, d)`` shards; chunks are views."""
 
     seq_dim, lse_dim = 1, 2
 
     def __init__(self, scale):
-        self.scale = scale
+        self.params = _block_params(scale)
 
     def rows(self, x, part, dim):
         if part == _ALL or x is None:
@@ -213,11 +220,10 @@ class _Dense:
         self.rows(acc, part, dim).add_(value)
 
     def fwd(self, q, k, v, q_part, k_part, causal):
-        return _ops.attention_forward(q, k, v, self.scale, -1, 0 if causal else -1, 0.0, None, 0.0, 0, 0, False)
+        return _ops.forward(q, k, v, self.params[causal])
 
     def bwd(self, dout, q, k, v, out, lse, dlse, q_part, k_part, causal):
-        return _ops.attention_backward(dout, q, k, v, out, lse, dlse, self.scale, -1, 0 if causal else -1,
-                                       0.0, None, 0.0, 0, 0, False)
+        return _ops.backward(dout, q, k, v, out, lse, dlse, self.params[causal])
 
 
 class _Varlen:
@@ -227,7 +233,7 @@ class _Varlen:
     seq_dim, lse_dim = 0, 1
 
     def __init__(self, scale, cu_q, cu_k, max_q, max_k, halves):
-        self.scale = scale
+        self.params = _block_params(scale)
         self.cu = {"q": cu_q, "k": cu_k}
         self.max = {"q": max_q, "k": max_k}
         self.halves = halves  # (cu_half, max_half, front_rows, back_rows) for causal zigzag
@@ -260,13 +266,11 @@ class _Varlen:
 
     def fwd(self, q, k, v, q_part, k_part, causal):
         (cu_q, max_q), (cu_k, max_k) = self._seq("q", q_part), self._seq("k", k_part)
-        return _ops.varlen_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, self.scale, -1, 0 if causal else -1,
-                                             0.0, None, 0.0, 0, 0, False)
+        return _ops.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, self.params[causal])
 
     def bwd(self, dout, q, k, v, out, lse, dlse, q_part, k_part, causal):
         (cu_q, max_q), (cu_k, max_k) = self._seq("q", q_part), self._seq("k", k_part)
-        return _ops.varlen_attention_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, self.scale,
-                                              -1, 0 if causal else -1, 0.0, None, 0.0, 0, 0, False)
+        return _ops.varlen_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, self.params[causal])
 
 
 # ----------------------------------------------------------------------------------------

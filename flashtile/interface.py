@@ -71,18 +71,14 @@ def flash_attn_func(
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    seed, offset = 0, 0
     if params.dropout_p > 0:
-        seed, offset = next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1] * counters_per_row(k.shape[1]))
+        params = params.with_rng(*next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1]
+                                                   * counters_per_row(k.shape[1])))
     if _ops.eager_forward_ok(q, k, v, alibi_slopes):
         # Nothing records autograd or traces: the launcher directly, without the op's dispatch.
-        out, lse = _ops.eager_forward(q, k, v, params.softmax_scale, params.window_left, params.window_right,
-                                      params.softcap, alibi_slopes, params.dropout_p, seed, offset)
+        out, lse = _ops.eager_forward(q, k, v, params)
     else:
-        out, lse = _ops.attention_forward(
-            q, k, v, params.softmax_scale, params.window_left, params.window_right, params.softcap,
-            alibi_slopes, params.dropout_p, seed, offset, params.deterministic,
-        )
+        out, lse = _ops.forward(q, k, v, params)
     return (out, lse) if return_lse else out
 
 
@@ -151,12 +147,7 @@ def flash_attn_varlen_func(
                                    capacity=kvcache_capacity(k, block_table), cache_rows=k.shape[0])
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    seed, offset = 0, 0
     if params.dropout_p > 0:
-        seed, offset = next_seed_offset(q.device, q.shape[1] * q.shape[0] * counters_per_row(max_seqlen_k))
-    out, lse = _ops.varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params.softmax_scale,
-        params.window_left, params.window_right, params.softcap, alibi_slopes, params.dropout_p, seed, offset,
-        params.deterministic, block_table,
-    )
+        params = params.with_rng(*next_seed_offset(q.device, q.shape[1] * q.shape[0] * counters_per_row(max_seqlen_k)))
+    out, lse = _ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, block_table)
     return (out, lse) if return_lse else out

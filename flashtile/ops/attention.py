@@ -6,6 +6,13 @@ a graph break.  Each dispatches on the device: CUDA tensors go to the Triton ker
 everything else to the CPU path (``flashtile.cpu``: PyTorch's fused CPU kernel or the tiled
 path, chosen per call).  The backward recomputes P from the saved
 LSE; nothing of size seqlen_q x seqlen_k is saved between the two.
+
+The ops' schemas hold primitive arguments only; the scale, band, score modifications,
+dropout and determinism are the fields of an :class:`AttentionParams`
+(``flashtile.semantics.params``), spelled out in the order of ``AttentionParams.op_args``.
+Each op rebuilds the params from them and hands the backend the whole; Python callers use
+:func:`forward`, :func:`backward`, :func:`varlen_forward` and :func:`varlen_backward`, which
+call the ops with one ``params``.
 """
 
 from typing import Optional
@@ -13,6 +20,7 @@ from typing import Optional
 import torch
 
 from flashtile import cpu
+from flashtile.semantics.params import AttentionParams
 
 
 def _backend(t: torch.Tensor):
@@ -40,10 +48,14 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # ``deterministic`` only matters to the backward; the forward takes it so that autograd
     # can save it with the inputs.
-    return _backend(q).attention_forward(
-        q, k, v, softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-        dropout=_dropout(dropout_p, seed, offset),
-    )
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
+                             deterministic)
+    return _backend(q).fwd(q, k, v, params)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+    """``flashtile::attention_forward`` with the arguments of ``params``: ``(out, lse)``."""
+    return attention_forward(q, k, v, *params.op_args())
 
 
 def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes) -> bool:
@@ -66,18 +78,11 @@ def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_sl
                 or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
 
 
-def eager_forward(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset):
+def eager_forward(q, k, v, params: AttentionParams):
     """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`)."""
     from flashtile.kernels import attention as triton_attention
 
-    return triton_attention.attention_forward(
-        q, k, v, softmax_scale, window_left, window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-        dropout=_dropout(dropout_p, seed, offset),
-    )
-
-
-def _dropout(dropout_p, seed, offset):
-    return (dropout_p, seed, offset) if dropout_p > 0 else None
+    return triton_attention.fwd(q, k, v, params)
 
 
 @attention_forward.register_fake
@@ -110,10 +115,14 @@ def attention_backward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The Gluon backward adds dQ with atomics; ``deterministic`` sends the call to the ordered ``tl.*`` kernels.
-    return _backend(q).attention_backward(
-        dout, q, k, v, out, lse, softmax_scale, window_left, window_right, softcap=softcap,
-        alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset), deterministic=deterministic,
-    )
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
+                             deterministic)
+    return _backend(q).bwd(dout, q, k, v, out, lse, params, dlse=dlse)
+
+
+def backward(dout, q, k, v, out, lse, dlse, params: AttentionParams):
+    """``flashtile::attention_backward`` with the arguments of ``params``: ``(dq, dk, dv)``."""
+    return attention_backward(dout, q, k, v, out, lse, dlse, *params.op_args())
 
 
 @attention_backward.register_fake
@@ -126,25 +135,29 @@ def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, s
     )
 
 
+def _save_params(ctx, params: AttentionParams):
+    # The slopes are saved as a tensor (saved-tensor hooks and torch.compile see them), the
+    # scalars on ctx; the seed and offset let the backward regenerate the same dropout mask.
+    ctx.params = params.with_alibi(None)
+
+
+def _saved_params(ctx, alibi_slopes) -> AttentionParams:
+    return ctx.params.with_alibi(alibi_slopes)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset, deterministic = inputs
+    q, k, v, *scalars = inputs
+    params = AttentionParams(*scalars)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.softmax_scale = softmax_scale
-    ctx.window = (window_left, window_right)
-    ctx.softcap = softcap
-    ctx.rng = (dropout_p, seed, offset)  # the backward regenerates the same dropout mask
-    ctx.deterministic = deterministic
+    ctx.save_for_backward(q, k, v, out, lse, params.alibi_slopes)
+    _save_params(ctx, params)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     # A loss that uses the LSE (return_lse=True) adds dlse_i * P_ij to dS_ij; it is folded
     # into the backward's per-row term D_i, so it costs nothing when absent.
-    dq, dk, dv = attention_backward(
-        dout.contiguous(), q, k, v, out, lse, dlse, ctx.softmax_scale, *ctx.window, ctx.softcap,
-        alibi_slopes, *ctx.rng, ctx.deterministic,
-    )
+    dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, dlse, _saved_params(ctx, alibi_slopes))
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -177,11 +190,17 @@ def varlen_attention_forward(
     block_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # block_table: k, v are (num_blocks, page_size, nheads_k, d) pages (forward only).
-    return _backend(q).varlen_attention_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, seed, offset),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
-    )
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
+                             deterministic)
+    return _backend(q).varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, params, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_k=max_seqlen_k, block_table=block_table)
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params: AttentionParams,
+                   block_table=None):
+    """``flashtile::varlen_attention_forward`` with the arguments of ``params``: ``(out, lse)``."""
+    return varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    *params.op_args(), block_table)
 
 
 @varlen_attention_forward.register_fake
@@ -215,11 +234,17 @@ def varlen_attention_backward(
     offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend(q).varlen_attention_backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right,
-        softcap=softcap, alibi_slopes=alibi_slopes, dlse=dlse, dropout=_dropout(dropout_p, seed, offset),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic,
-    )
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
+                             deterministic)
+    return _backend(q).varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params, dlse=dlse,
+                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def varlen_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    params: AttentionParams):
+    """``flashtile::varlen_attention_backward`` with the arguments of ``params``: ``(dq, dk, dv)``."""
+    return varlen_attention_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, *params.op_args())
 
 
 @varlen_attention_backward.register_fake
@@ -229,23 +254,21 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-     dropout_p, seed, offset, deterministic, block_table) = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, *scalars, block_table = inputs
+    params = AttentionParams(*scalars)
     out, lse = output
     ctx.paged = block_table is not None
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
-    ctx.args = (max_q, max_k, softmax_scale, window_left, window_right, softcap)
-    ctx.rng = (dropout_p, seed, offset)
-    ctx.deterministic = deterministic
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, params.alibi_slopes)
+    ctx.max_seqlens = (max_q, max_k)
+    _save_params(ctx, params)
 
 
 def _varlen_backward(ctx, dout, dlse):
     if ctx.paged:
         raise NotImplementedError("block_table: attention over paged keys and values is forward only")
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = varlen_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.args, alibi_slopes, *ctx.rng, ctx.deterministic,
-    )
+    dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.max_seqlens,
+                                 _saved_params(ctx, alibi_slopes))
     return (dq, dk, dv) + (None,) * 14
 
 

@@ -9,11 +9,11 @@ wrong answer.  Supported-but-not-yet-implemented options raise ``NotImplementedE
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from flashtile.masking import normalize_window
+from flashtile.semantics.params import AttentionParams
 
 MAX_HEADDIM = 256
 # What the GPU kernels take.  The CPU path takes float64 as well (computed in float64
@@ -22,18 +22,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CPU_DTYPES = SUPPORTED_DTYPES + (torch.float64,)
 _DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
 _CPU_DTYPE_NAMES = "torch.float16, torch.bfloat16, torch.float32 or torch.float64"
-
-
-@dataclass(frozen=True)
-class AttentionParams:
-    """The normalised scalar arguments every backend receives."""
-
-    softmax_scale: float
-    window_left: int
-    window_right: int
-    softcap: float
-    dropout_p: float
-    deterministic: bool
 
 
 def check_dtype(name: str, dtype: torch.dtype, device_type: str) -> None:
@@ -140,7 +128,8 @@ def check_attention_inputs(
     packed_batch: int | None = None,
 ) -> AttentionParams:
     """Validate dense ``(batch, seqlen, nheads, headdim)`` (or packed ``(total, nheads, headdim)``)
-    inputs and return the normalised scalar parameters."""
+    inputs and return the normalised parameters (``alibi_slopes`` included; the dropout RNG's
+    seed and offset are drawn later, only when ``dropout_p > 0``)."""
     rank = 3 if packed else 4
     layout_q = "(total_q, nheads, headdim)" if packed else "(batch, seqlen_q, nheads, headdim)"
     layout_k = "(total_k, nheads_k, headdim)" if packed else "(batch, seqlen_k, nheads_k, headdim)"
@@ -157,6 +146,7 @@ def check_attention_inputs(
     if alibi_slopes is not None:
         check_alibi_slopes(alibi_slopes, batch=packed_batch if packed else q.shape[0], nheads=q.shape[-2],
                            device=q.device)
+        params = params.with_alibi(alibi_slopes)
     return params
 
 
@@ -191,7 +181,8 @@ def check_qkv_agree(q, k, v, k_name: str = "k", v_name: str = "v") -> None:
 
 def check_attention_scalars(headdim: int, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, deterministic=False) -> AttentionParams:
-    """The scalar arguments, checked and normalised (``causal`` folded into the window)."""
+    """The scalar arguments, checked and normalised (``causal`` folded into the window); no ALiBi
+    slopes and no dropout seed or offset yet."""
     dropout_p = _check_scalar("dropout_p", dropout_p, float, "a float in [0, 1)")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")

@@ -29,6 +29,7 @@ from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
 from flashtile.kernels.tma import padded_headdim
+from flashtile.semantics.params import AttentionParams
 
 
 @triton.jit
@@ -262,8 +263,9 @@ def bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[Til
     return TileConfig(64, 64, 8, 2), TileConfig(128, 64, 8, 2)
 
 
-def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-              softcap, alibi_slopes, dropout, deterministic):
+def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, configs):
+    softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
+    softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
     d = q.shape[-1]
     hd = padded_headdim(d)
     cfg_kv, cfg_q = configs or bwd_config(hd, q.dtype, window_right >= 0)
@@ -286,7 +288,7 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
         *o_strides, *do_strides, layout.rows_q, layout.seqlen_q, nheads, d,
         HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd,
     )
-    if configs is None and backward_engine(q, k, dropout, softcap, alibi_slopes, deterministic) == "gluon":
+    if configs is None and backward_engine(q, k, dropout, softcap, alibi_slopes, params.deterministic) == "gluon":
         from flashtile.kernels.hopper import attention_bwd
 
         dq_, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, softmax_scale,
@@ -327,18 +329,33 @@ def _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, windo
     return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
 
 
-def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, window_right=-1,
-                       deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None, dropout=None):
+def bwd(dout, q, k, v, out, lse, params: AttentionParams, dlse=None, configs=None):
     """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added with atomics) or the
     ``tl.*`` dK/dV and dQ kernels (no atomics: bitwise reproducible), the latter always when
-    ``deterministic``."""
-    return _backward(Layout(q, k), dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse,
-                     configs, softcap, alibi_slopes, dropout, deterministic)
+    ``params.deterministic`` or ``configs`` (``(dK/dV config, dQ config)``, replacing :func:`bwd_config`'s)."""
+    return _backward(Layout(q, k), dout, q, k, v, out, lse, params, dlse, configs)
+
+
+def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params: AttentionParams, dlse=None,
+               max_seqlen_q=None, max_seqlen_k=None, configs=None):
+    """Packed backward, one launch per pass for the whole batch (``max_seqlen_*`` as in ``varlen_fwd``)."""
+    layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _backward(layout, dout, q, k, v, out, lse, params, dlse, configs)
+
+
+def attention_backward(dout, q, k, v, out, lse, softmax_scale, window_left=-1, window_right=-1,
+                       deterministic=False, dlse=None, configs=None, softcap=0.0, alibi_slopes=None, dropout=None):
+    """:func:`bwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout,
+                                           deterministic)
+    return bwd(dout, q, k, v, out, lse, params, dlse, configs)
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1,
                               window_right=-1, softcap=0.0, alibi_slopes=None, dlse=None, max_seqlen_q=None,
                               max_seqlen_k=None, configs=None, dropout=None, deterministic=False):
-    layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return _backward(layout, dout, q, k, v, out, lse, softmax_scale, window_left, window_right, dlse, configs,
-                     softcap, alibi_slopes, dropout, deterministic)
+    """:func:`varlen_bwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout,
+                                           deterministic)
+    return varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, params, dlse, max_seqlen_q, max_seqlen_k,
+                      configs)

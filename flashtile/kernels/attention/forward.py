@@ -32,6 +32,7 @@ from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, online_max
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
 from flashtile.kernels.tma import padded_headdim
+from flashtile.semantics.params import AttentionParams
 
 
 @triton.jit
@@ -207,7 +208,9 @@ def _unpaged_args(device: torch.device) -> tuple:
 _FWD_DYNAMIC = (25, 26)
 
 
-def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes, dropout):
+def _forward(layout, q, k, v, params: AttentionParams, config):
+    softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
+    softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
     if config is None and forward_engine(q, k, dropout, softcap, alibi_slopes,
                                          paged=layout.block_table is not None) == "gluon":
         from flashtile.kernels.hopper import attention_fwd
@@ -252,18 +255,15 @@ def _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, 
     return unpad(out_, d), lse
 
 
-def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, config=None, softcap=0.0,
-                      alibi_slopes=None, dropout=None):
+def fwd(q, k, v, params: AttentionParams, config=None):
     """Forward. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out like q, lse ``(b, h, nq)`` fp32).
 
-    ``dropout``: ``(p, seed, offset)`` or None (see ``flashtile.dropout``)."""
-    return _forward(Layout(q, k), q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
-                    dropout)
+    ``config``: a ``TileConfig`` that replaces :func:`fwd_config`'s (and keeps the ``tl.*`` engine)."""
+    return _forward(Layout(q, k), q, k, v, params, config)
 
 
-def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
-                             softcap=0.0, alibi_slopes=None, max_seqlen_q=None, max_seqlen_k=None, config=None,
-                             dropout=None, block_table=None):
+def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, params: AttentionParams, max_seqlen_q=None, max_seqlen_k=None,
+               config=None, block_table=None):
     """Packed forward: q ``(total_q, h, d)``, k/v ``(total_k, hk, d)`` -> (out, lse ``(h, total_q)``).
 
     One launch for the whole batch; ``max_seqlen_*`` size the grid (computed with a host sync
@@ -272,5 +272,20 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
     ``block_table[b, j // page_size]``, row ``j % page_size``."""
     layout = Layout(q, k, cu_seqlens_q, cu_seqlens_k, *max_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                     block_table=block_table)
-    return _forward(layout, q, k, v, softmax_scale, window_left, window_right, config, softcap, alibi_slopes,
-                    dropout)
+    return _forward(layout, q, k, v, params, config)
+
+
+def attention_forward(q, k, v, softmax_scale, window_left=-1, window_right=-1, config=None, softcap=0.0,
+                      alibi_slopes=None, dropout=None):
+    """:func:`fwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None
+    (see ``flashtile.dropout``)."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout)
+    return fwd(q, k, v, params, config)
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left=-1, window_right=-1,
+                             softcap=0.0, alibi_slopes=None, max_seqlen_q=None, max_seqlen_k=None, config=None,
+                             dropout=None, block_table=None):
+    """:func:`varlen_fwd` with the params as arguments; ``dropout``: ``(p, seed, offset)`` or None."""
+    params = AttentionParams.from_launcher(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout)
+    return varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, params, max_seqlen_q, max_seqlen_k, config, block_table)
