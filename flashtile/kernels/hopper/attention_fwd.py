@@ -32,6 +32,9 @@ d)`` with cu_seqlens) through 4-D TMA descriptors with a ``[1, rows, 1, HEAD_DIM
 rows past the tensor read as zeros, head dims below ``HEAD_DIM`` (a power of two) read as
 zero columns and are never stored.  In a packed batch the rows past a sequence are the next
 sequence's: key tiles there are always masked, query rows there are computed but not stored.
+
+The same kernel runs FP8 (e4m3) inputs with ``FP8=True`` (``attention_fp8.py`` launches it):
+descales, the max offset, K-major V tiles and a per-tile P V accumulator, see ``_consumer``.
 """
 
 from __future__ import annotations
