@@ -203,3 +203,8 @@ def random_like(t: torch.Tensor, seed: int = 1, scale: float = 1.0) -> torch.Ten
 
 def default_scale(headdim: int) -> float:
     return 1.0 / math.sqrt(headdim)
+
+
+def is_hopper() -> bool:
+    """An sm_90 GPU (H100 / H200): the Gluon kernels' target."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

@@ -9,25 +9,14 @@ Tolerance is flash-attn's rule (see ``helpers.assert_close_to_reference``).
 import pytest
 import torch
 
-from helpers import assert_close_to_reference, random_like, random_qkv, reference_attention_grads
+from helpers import assert_close_to_reference, is_hopper, random_like, random_qkv, reference_attention_grads
 
 import flashtile
 
 pytestmark = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
 
 FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
-
-
-def _is_hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
-
-
-@pytest.fixture(autouse=True)
-def _force_gluon(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_ENGINE", "gluon")
 
 
 def _check(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window, dtype, backward=True, seed=0):
