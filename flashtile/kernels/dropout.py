@@ -14,11 +14,13 @@ KEYS_PER_BLOCK = tl.constexpr(_dropout.KEYS_PER_BLOCK)
 
 
 @triton.jit
-def dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                  HAS_DROPOUT: tl.constexpr, KEYS_FIRST: tl.constexpr = False):
+def dropout_scale(rng, row0, col0, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  KEYS_FIRST: tl.constexpr = False):
     """The (BLOCK_Q queries x BLOCK_K keys) tile from (row0, col0) of ``flashtile.dropout.keep_mask``,
     as 1 / (1 - p) where a probability is kept and 0 where it is dropped (1 without dropout;
     laid out keys x queries with ``KEYS_FIRST``).  ``col0`` and ``BLOCK_K`` are multiples of 32.
+    ``rng = (dropout_p, seed, rng_offset, rng_cols)``: the attention kernels' last four runtime
+    arguments, bundled once per kernel.
 
     One Philox call serves 8 keys of one row, but *which* 8 is chosen for the tensor cores'
     accumulator layout on sm_90: there a thread holds the column pairs 2q, 2q + 1 (+8, +16,
@@ -29,6 +31,7 @@ def dropout_scale(seed, rng_offset, row0, col0, rng_cols, dropout_p, BLOCK_Q: tl
     this way, and forward + backward +93 % / +118 % (non-causal / causal, N = 4k) against
     +89 % / +99 % (docs/tuning.md, "Dropout").
     """
+    dropout_p, seed, rng_offset, rng_cols = rng
     if HAS_DROPOUT:
         tl.static_assert(BLOCK_K % 32 == 0, "dropout needs key tiles of a multiple of 32")
         NB: tl.constexpr = BLOCK_K // 32

@@ -7,6 +7,11 @@ max (rows with nothing visible yet subtract 0, never ``-inf - -inf``), ``recompu
 rebuilds the backward's probabilities from the saved LSE, ``softcap_grad`` is the chain rule
 through the softcap.  ``score_mod_args`` turns ``softcap`` / ``alibi_slopes`` into the kernel
 arguments that drive them.
+
+The attention kernels build two bundles once and hand them to every run of tiles:
+``seq = (seqlen_q, seqlen_k, window_left, window_right)`` (the band, in this sequence's
+lengths) and ``mods = (qk_scale, softcap_scale, softcap_log2, slope_log2)`` (the score's
+scale and modifications; ``slope_log2`` is this head's ALiBi slope).
 """
 
 import torch
@@ -61,15 +66,17 @@ def online_max(qk, m_i, scale, MASKED: tl.constexpr):
 
 
 @triton.jit
-def recompute_p(qk, q_idx, k_idx, lse2, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                 softcap_scale, softcap_log2, slope_log2,
-                 MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+def recompute_p(qk, q_idx, k_idx, lse2, seq, mods,
+                MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """The backward's P = exp2(score - LSE) for a tile in either orientation, and tanh.
 
     ``q_idx``, ``k_idx`` and ``lse2`` (the LSE in log2 units, +inf for empty rows) are shaped
-    to broadcast to ``qk`` (see ``band_mask``).
+    to broadcast to ``qk`` (see ``band_mask``); ``seq`` and ``mods`` are the bundles of the
+    module docstring.
     """
+    seqlen_q, seqlen_k, window_left, window_right = seq
+    qk_scale, softcap_scale, softcap_log2, slope_log2 = mods
     if HAS_SOFTCAP or HAS_ALIBI:
         s, tanh = score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
                              softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)

@@ -67,9 +67,7 @@ def _bwd_preprocess(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, row_base, n0, start, end,
-    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-    dropout_p, seed, rng_offset, rng_cols,
+    dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, row_base, n0, start, end, seq, mods, rng,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -80,7 +78,11 @@ def _dkdv_tiles(
     Scores the transposed tile (keys x queries) with K, V as the left (A) operand, so P^T
     and dS^T feed the dV / dK products directly (the other orientation -- K and V as the
     right operand, P and dS transposed -- spilled more in the offline register report).
+    ``seq``, ``mods`` and ``rng`` are the bundles of ``online_softmax`` and ``dropout``, built once
+    per kernel.  The constexprs stay separate arguments: Triton turns a constexpr into a tensor
+    when a tuple holding it is assigned or unpacked.
     """
+    seqlen_q = seq[0]
     offs_n = n0 + tl.arange(0, BLOCK_N)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -91,11 +93,9 @@ def _dkdv_tiles(
         delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
         do = DO_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        pT, tanhT = recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seqlen_q, seqlen_k,
-                                 qk_scale, window_left, window_right, softcap_scale, softcap_log2,
-                                 slope_log2, MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-        dropT = dropout_scale(seed, rng_offset, row_base + m0, n0, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                              HAS_DROPOUT, KEYS_FIRST=True)
+        pT, tanhT = recompute_p(qkT, offs_m[None, :], offs_n[:, None], lse2[None, :], seq, mods,
+                                MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        dropT = dropout_scale(rng, row_base + m0, n0, BLOCK_M, BLOCK_N, HAS_DROPOUT, KEYS_FIRST=True)
         dv = tl.dot((pT * dropT).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dsT = softcap_grad(pT * (dpT * dropT - delta[None, :]), tanhT, HAS_SOFTCAP)
@@ -129,28 +129,25 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     lo, full_lo, full_hi, hi = query_tiles(n0, seqlen_q, seqlen_k, window_left, window_right,
                                            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    seq = (seqlen_q, seqlen_k, window_left, window_right)
+    rng = (dropout_p, seed, rng_offset, rng_cols)
     # GQA: the query heads of one group all read this K/V tile; summing their
     # contributions here gives dK/dV without atomics or a K/V copy.
     for g in range(0, group):
         h = hk * group + g
         rows = batch.to(tl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / D rows
         slope_log2 = alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
+        mods = (qk_scale, softcap_scale, softcap_log2, slope_log2)  # per head: its ALiBi slope
         if MASK_RIGHT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, lo, full_lo,
-                                 seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                 seq, mods, rng, BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_lo, full_hi,
-                             seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                             softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                             seq, mods, rng, BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
                              HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         if MASK_LEFT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, Q_desc, DO_desc, LSE2, Delta, b, h, q_start, rows, n0, full_hi, hi,
-                                 seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                 softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, rng_cols,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                 seq, mods, rng, BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                                  HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     store_tile(DV_desc, DV, b, k_start + n0, hk, dv, k_start + seqlen_k, VARLEN)
     dk = dk * softmax_scale
@@ -159,24 +156,27 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, start, end,
-    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-    dropout_p, seed, rng_offset, rng_row, rng_cols,
+    dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, start, end, seq, mods, rng, rng_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
+    """Accumulate one key run's contribution to dQ of the resident query tile.
+
+    ``seq``, ``mods`` and ``rng`` are the bundles of ``online_softmax`` and ``dropout``, built once
+    per kernel.  The constexprs stay separate arguments: Triton turns a constexpr into a tensor
+    when a tuple holding it is assigned or unpacked.  ``rng_row``: the head's first dropout row.
+    """
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in range(start, end, BLOCK_N):
         k = K_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         v = V_desc.load([b, k_start + start_n, hk, 0]).reshape([BLOCK_N, HEAD_DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        p, tanh = recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seqlen_q, seqlen_k,
-                               qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-                               MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-        drop = dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                             HAS_DROPOUT)
+        p, tanh = recompute_p(qk, offs_m[:, None], offs_n[None, :], lse2[:, None], seq, mods,
+                              MASKED, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        drop = dropout_scale(rng, rng_row + m0, start_n, BLOCK_M, BLOCK_N, HAS_DROPOUT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = softcap_grad(p * (dp * drop - delta[:, None]), tanh, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -213,21 +213,18 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    seq = (seqlen_q, seqlen_k, window_left, window_right)
+    mods = (qk_scale, softcap_scale, softcap_log2, slope_log2)
+    rng = (dropout_p, seed, rng_offset, rng_cols)
     if MASK_LEFT:
         dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, lo, full_lo,
-                       seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                       softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
-                       BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                       seq, mods, rng, row_base, BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, full_lo, full_hi,
-                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                   softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                   seq, mods, rng, row_base, BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K_desc, V_desc, b, hk, m0, k_start, full_hi, hi,
-                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                   softcap_scale, softcap_log2, slope_log2, dropout_p, seed, rng_offset, row_base, rng_cols,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                   seq, mods, rng, row_base, BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dq = dq * softmax_scale
     store_tile(DQ_desc, DQ, b, q_start + m0, h, dq, q_start + seqlen_q, VARLEN)

@@ -66,14 +66,20 @@ def _kv_tile(desc, paged_kv, which: tl.constexpr, b, row, hk, start_n, bt_row, s
 
 @triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, start, end,
-    seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap_scale, softcap_log2, slope_log2,
-    dropout_p, seed, rng_offset, rng_row, rng_cols,
+    acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, start, end, seq, mods, rng, rng_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
+    """One run of key tiles ``[start, end)`` into the online softmax of query tile ``m0``.
+
+    ``seq``, ``mods`` and ``rng`` are the bundles of ``online_softmax`` and ``dropout``, built once
+    per kernel.  The constexprs stay separate arguments: Triton turns a constexpr into a tensor
+    when a tuple holding it is assigned or unpacked.  ``rng_row``: the head's first dropout row.
+    """
+    seqlen_q, seqlen_k, window_left, window_right = seq
+    qk_scale, softcap_scale, softcap_log2, slope_log2 = mods
     offs_m = m0 + tl.arange(0, BLOCK_M)
     for start_n in tl.range(start, end, BLOCK_N):
         k = _kv_tile(K_desc, paged_kv, 0, b, k_start + start_n, hk, start_n, bt_row, seqlen_k,
@@ -98,8 +104,7 @@ def _fwd_tiles(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped entries too
         if HAS_DROPOUT:
-            p = p * dropout_scale(seed, rng_offset, rng_row + m0, start_n, rng_cols, dropout_p, BLOCK_M, BLOCK_N,
-                                  HAS_DROPOUT)
+            p = p * dropout_scale(rng, rng_row + m0, start_n, BLOCK_M, BLOCK_N, HAS_DROPOUT)
         v = _kv_tile(V_desc, paged_kv, 1, b, k_start + start_n, hk, start_n, bt_row, seqlen_k,
                      BLOCK_N, HEAD_DIM, PAGED, PAGE_SIZE)
         acc = acc * alpha[:, None]
@@ -140,28 +145,19 @@ def _attn_fwd(
 
     lo, full_lo, full_hi, hi = key_tiles(m0, seqlen_q, seqlen_k, window_left, window_right,
                                          BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    seq = (seqlen_q, seqlen_k, window_left, window_right)
+    mods = (qk_scale, softcap_scale, softcap_log2, slope_log2)
+    rng = (dropout_p, seed, rng_offset, rng_cols)
     if MASK_LEFT:
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, lo, full_lo,
-                                   seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                                   softcap_scale, softcap_log2, slope_log2,
-                                   dropout_p, seed, rng_offset, lse_row, rng_cols,
-                                   BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-                                   PAGED, PAGE_SIZE)
+                                   seq, mods, rng, lse_row, BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, full_lo, full_hi,
-                               seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                               softcap_scale, softcap_log2, slope_log2,
-                               dropout_p, seed, rng_offset, lse_row, rng_cols,
-                               BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-                               PAGED, PAGE_SIZE)
+                               seq, mods, rng, lse_row, BLOCK_M, BLOCK_N, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PAGED, PAGE_SIZE)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_desc, V_desc, paged_kv, bt_row, b, hk, m0, k_start, full_hi, hi,
-                               seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                               softcap_scale, softcap_log2, slope_log2,
-                               dropout_p, seed, rng_offset, lse_row, rng_cols,
-                               BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
-                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-                               PAGED, PAGE_SIZE)
+                               seq, mods, rng, lse_row, BLOCK_M, BLOCK_N, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT,
+                               HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PAGED, PAGE_SIZE)
 
     # Deferred normalisation: one reciprocal per row.  A row with no visible key has
     # l = 0: its output is 0 and its LSE -inf, never NaN.
