@@ -1,5 +1,9 @@
 """Split-KV decoding: a few query rows against a long KV cache (flash-decoding).
 
+(One module over 600 lines on purpose: the three kernels of a decode step -- split, combine,
+append -- and their launch plans share one argument layout, the plans' dynamic positions
+indexing the kernels' parameter lists, so they are read and changed together.)
+
 Decoding reads the whole cache for a handful of query rows, so it is memory-bound, and one
 program per (batch, head) would leave most SMs idle at small batch.  The cache is therefore
 cut into ``num_splits`` chunks of whole key tiles; each program handles one chunk for one
@@ -16,10 +20,6 @@ The cache is contiguous ``(batch_cache, seqlen_cache, nheads_k, d)`` (rows of se
 ``cache_batch_idx[b]``) or paged ``(num_blocks, page_size, nheads_k, d)`` with
 ``block_table[b, j // page_size]`` holding key ``j`` -- any page size: each key row's
 address is computed on its own.
-
-One file past 600 lines on purpose: the three kernels of a decode step (split, combine,
-append) and their launch plans share one argument layout (the plans' dynamic positions index
-the kernels' parameter lists), so they are read and changed together.
 """
 
 from __future__ import annotations
