@@ -28,6 +28,25 @@ def tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
 
 
 @triton.jit
+def dealt_tile(t, num_items, num_tiles, SPREAD_HEADS: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """Work item ``t`` of a persistent or flat grid -> (tile index, batch * head).
+
+    Without a causal-like mask every tile of a head costs the same, and a head's tiles are
+    adjacent (they share its K/V or Q/dO in L2).  With one (``SPREAD_HEADS``), the items are
+    dealt tile by tile across all heads, heaviest first -- the last query tiles
+    (``HEAVY_LAST``, forward) or the first key tiles (backward) -- so the programs' shares
+    come out even and the last wave is short.
+    """
+    if SPREAD_HEADS:
+        heads = num_items // num_tiles
+        tile = t // heads
+        if HEAVY_LAST:
+            tile = num_tiles - 1 - tile
+        return tile, t % heads
+    return t % num_tiles, t // num_tiles
+
+
+@triton.jit
 def clamped_span(CU, b, rows):
     # Sequence b's rows [start, end) clamped into the packed tensor's [0, rows): the host
     # checks cu_seqlens, but not under CUDA-graph capture or torch.compile tracing, and a

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile.kernels.hopper.attention_fwd import descriptor
 from flashtile.kernels.masking import band_mask, query_tiles
 from flashtile.kernels.runtime import cdiv
-from flashtile.kernels.tile_info import sequence_bounds
+from flashtile.kernels.tile_info import dealt_tile, sequence_bounds
 from flashtile.kernels.tma import padded_headdim
 
 LOG2E = 1.4426950408889634
@@ -59,14 +59,7 @@ def _work(pid, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k
     dealt first across all heads, so the lightest programs make up the last wave.  A key tile
     past a packed sequence's end has ``n_steps = -1``: nothing to load, compute or store.
     """
-    num_n_tiles = gl.cdiv(max_seqlen_k, BLOCK_N)
-    if MASK_RIGHT:
-        heads = num_items // num_n_tiles
-        tile = pid // heads
-        bh = pid % heads
-    else:
-        tile = pid % num_n_tiles
-        bh = pid // num_n_tiles
+    tile, bh = dealt_tile(pid, num_items, gl.cdiv(max_seqlen_k, BLOCK_N), MASK_RIGHT, False)
     b = bh // nheads_k
     hk = bh % nheads_k
     n0 = tile * BLOCK_N

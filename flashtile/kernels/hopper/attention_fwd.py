@@ -50,7 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashtile.kernels.launch import launch
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, sm_count
-from flashtile.kernels.tile_info import sequence_bounds
+from flashtile.kernels.tile_info import dealt_tile, sequence_bounds
 from flashtile.kernels.tma import padded_headdim
 
 LOG2E = 1.4426950408889634
@@ -72,14 +72,7 @@ def work_item(t, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads
     derives the same items from ``t``; an item past a packed sequence's end has
     ``n_tiles = -1`` and is skipped by all of them.
     """
-    num_m_tiles = gl.cdiv(max_seqlen_q, BLOCK_M)
-    if MASK_RIGHT:
-        heads = num_items // num_m_tiles
-        tile = num_m_tiles - 1 - t // heads
-        bh = t % heads
-    else:
-        tile = t % num_m_tiles
-        bh = t // num_m_tiles
+    tile, bh = dealt_tile(t, num_items, gl.cdiv(max_seqlen_q, BLOCK_M), MASK_RIGHT, True)
     b = bh // nheads
     h = bh % nheads
     m0 = tile * BLOCK_M
