@@ -29,6 +29,7 @@ import cProfile
 import io
 import pstats
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -64,40 +65,53 @@ class ordinary_launches:
         self.launch.INTERPRET = self.saved
 
 
+def decode_inputs(batch, cache, nheads, nheads_k, d, dtype, device="cuda"):
+    """One decode step's tensors: q, the contiguous cache and its paged16 copy, one new key."""
+    from flashtile.bench.decode import _paged
+
+    q = torch.randn(batch, 1, nheads, d, device=device, dtype=dtype)
+    kc = torch.randn(batch, cache, nheads_k, d, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    knew, vnew = (torch.randn(batch, 1, nheads_k, d, device=device, dtype=dtype) for _ in range(2))
+    kp, vp, table = _paged(kc, vc, 16, torch.Generator().manual_seed(0))
+    length = cache - 1  # room for the appended key
+    lengths = torch.full((batch,), length, dtype=torch.int32, device=device)
+    return types.SimpleNamespace(q=q, kc=kc, vc=vc, knew=knew, vnew=vnew, kp=kp, vp=vp, table=table,
+                                 length=length, lengths=lengths)
+
+
+def flashtile_decode_cases(x):
+    """``(record fields, fn)`` for flashtile's decode calls on ``decode_inputs``' tensors:
+    contiguous / paged16, with / without an appended key, int / tensor lengths."""
+    for layout in ("contiguous", "paged16"):
+        k_cache, v_cache, bt = (x.kc, x.vc, None) if layout == "contiguous" else (x.kp, x.vp, x.table)
+        for append in (False, True):
+            for seqlens in (x.length, x.lengths):
+                new = (x.knew, x.vnew) if append else (None, None)
+
+                def fn(k_cache=k_cache, v_cache=v_cache, bt=bt, new=new, seqlens=seqlens):
+                    return flashtile.flash_attn_with_kvcache(x.q, k_cache, v_cache, *new, cache_seqlens=seqlens,
+                                                             block_table=bt)
+
+                yield dict(mode="kvcache+append" if append else "kvcache", layout=layout,
+                           lengths="int" if isinstance(seqlens, int) else "tensor"), fn
+
+
 def kvcache_cases(batch, cache, nheads, nheads_k, d, dtype):
     """``(record fields, fn)`` for every decode case."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashtile.bench.decode import _paged
+    x = decode_inputs(batch, cache, nheads, nheads_k, d, dtype)
+    q, kc, vc, knew, vnew, length = x.q, x.kc, x.vc, x.knew, x.vnew, x.length
+    for fields, fn in flashtile_decode_cases(x):
+        yield dict(fields, impl="flashtile"), fn
 
-    dev = "cuda"
-    q = torch.randn(batch, 1, nheads, d, device=dev, dtype=dtype)
-    kc = torch.randn(batch, cache, nheads_k, d, device=dev, dtype=dtype)
-    vc = torch.randn_like(kc)
-    knew, vnew = (torch.randn(batch, 1, nheads_k, d, device=dev, dtype=dtype) for _ in range(2))
-    kp, vp, table = _paged(kc, vc, 16, torch.Generator().manual_seed(0))
-    length = cache - 1  # room for the appended key
-    lengths = torch.full((batch,), length, dtype=torch.int32, device=dev)
-    for layout in ("contiguous", "paged16"):
-        k_cache, v_cache, bt = (kc, vc, None) if layout == "contiguous" else (kp, vp, table)
-        for append in (False, True):
-            for seqlens in (length, lengths):
-                new = (knew, vnew) if append else (None, None)
+        def ordinary(fn=fn):
+            with ordinary_launches():
+                return fn()
 
-                def fn(k_cache=k_cache, v_cache=v_cache, bt=bt, new=new, seqlens=seqlens):
-                    return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens,
-                                                             block_table=bt)
-
-                fields = dict(mode="kvcache+append" if append else "kvcache", layout=layout,
-                              lengths="int" if isinstance(seqlens, int) else "tensor")
-                yield dict(fields, impl="flashtile"), fn
-
-                def ordinary(fn=fn):
-                    with ordinary_launches():
-                        return fn()
-
-                yield dict(fields, impl="flashtile_ordinary"), ordinary
+        yield dict(fields, impl="flashtile_ordinary"), ordinary
     qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
     for impl, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
         for append in (False, True):

@@ -113,27 +113,10 @@ _MISSING = object()
 def cases(batch=1, cache=1024, nheads=32, nheads_k=4, d=128, dtype=torch.bfloat16):
     """``(name, fn)`` for every case."""
     import flashtile
-    from flashtile.bench.decode import _paged
+    from profile_decode_host import decode_inputs, flashtile_decode_cases
 
-    q = torch.randn(batch, 1, nheads, d, dtype=dtype)
-    kc = torch.randn(batch, cache, nheads_k, d, dtype=dtype)
-    vc = torch.randn_like(kc)
-    knew, vnew = (torch.randn(batch, 1, nheads_k, d, dtype=dtype) for _ in range(2))
-    kp, vp, table = _paged(kc, vc, 16, torch.Generator().manual_seed(0))
-    length = cache - 1
-    lengths = torch.full((batch,), length, dtype=torch.int32)
-    for layout in ("contiguous", "paged16"):
-        k_cache, v_cache, bt = (kc, vc, None) if layout == "contiguous" else (kp, vp, table)
-        for append in (False, True):
-            for seqlens in (length, lengths):
-                new = (knew, vnew) if append else (None, None)
-
-                def fn(k_cache=k_cache, v_cache=v_cache, bt=bt, new=new, seqlens=seqlens):
-                    return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens,
-                                                             block_table=bt)
-
-                name = f"{'kvcache+append' if append else 'kvcache'} {layout} {'int' if seqlens is length else 'tensor'}"
-                yield name, fn
+    for fields, fn in flashtile_decode_cases(decode_inputs(batch, cache, nheads, nheads_k, d, dtype, device="cpu")):
+        yield f"{fields['mode']} {fields['layout']} {fields['lengths']}", fn
     tq, tk, tv = (torch.randn(1, 128, 8, 64, dtype=dtype) for _ in range(3))
     yield "func (1,128,8,64)", lambda: flashtile.flash_attn_func(tq, tk, tv)
 
