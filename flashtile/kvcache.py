@@ -103,9 +103,26 @@ def _check_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
 # steps, pays them once; a call with a new key (a bad one included) runs them in full, and
 # a failing call caches nothing.  What depends on index values (an int ``cache_seqlens``
 # against the capacity, index tensors on the CPU) is checked at every call, after this.
+# The key also holds everything the GPU step's launch plan reads, so an entry keeps that
+# plan too (see _step_triton): one key per call for the checks and the launches.
 _MAX_CHECKED = 256
 _checked: dict = {}
 _Tensor = torch.Tensor
+
+
+class _Checked:
+    """A memo entry: the checks' results (``params``, ``capacity``); ``rotary_ok``: the rotary
+    tables checked against q and k (positions by class; an int one is checked per call);
+    the GPU launch plan with the tuning value and plan generation it was built under, and
+    whether the index tensors are already as the kernel reads them."""
+
+    __slots__ = ("params", "capacity", "rotary_ok", "plan", "tuning", "generation", "as_read")
+
+    def __init__(self, params, capacity):
+        self.params, self.capacity = params, capacity
+        self.rotary_ok = False
+        self.plan = self.tuning = self.generation = None
+        self.as_read = False
 
 
 class _Unkeyed(Exception):
@@ -122,13 +139,15 @@ def _meta(t):
 
 
 def _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                       window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad):
-    """:func:`_check_arguments`, memoised by key (see ``_checked``); not while torch.compile
-    traces (the shapes may be symbolic: the checks are traced as they stand)."""
+                       window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad, rotary_cos=None,
+                       rotary_sin=None, rotary_interleaved=False):
+    """:func:`_check_arguments` as a :class:`_Checked`, memoised by key (see ``_checked``; the
+    rotary arguments are in the key, for the rotary checks and the plan); not while
+    torch.compile traces (the shapes may be symbolic: the checks are traced as they stand)."""
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
             window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad)
     if torch.compiler.is_compiling():
-        return _check_arguments(*args)
+        return _Checked(*_check_arguments(*args))
     try:
         if window_size.__class__ is not tuple or cache_seqlens.__class__ not in (int, type(None), _Tensor):
             raise _Unkeyed
@@ -137,13 +156,15 @@ def _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
         key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v),
                cache_seqlens.__class__ if cache_seqlens.__class__ is not _Tensor else _meta(cache_seqlens),
                _meta(cache_batch_idx), _meta(block_table), _meta(alibi_slopes), _meta(cache_leftpad),
+               _meta(rotary_cos), _meta(rotary_sin), rotary_interleaved,
                softmax_scale, causal, window_size, softcap, num_splits, return_lse,
-               tuple(map(type, (softmax_scale, causal, softcap, num_splits, return_lse, *window_size))))
+               tuple(map(type, (softmax_scale, causal, softcap, num_splits, return_lse, rotary_interleaved,
+                                *window_size))))
         checked = _checked.get(key)
     except (_Unkeyed, TypeError):  # TypeError: an unhashable scalar
-        return _check_arguments(*args)
+        return _Checked(*_check_arguments(*args))
     if checked is None:
-        checked = _check_arguments(*args)
+        checked = _Checked(*_check_arguments(*args))
         if len(_checked) >= _MAX_CHECKED:
             _checked.clear()
         _checked[key] = checked
@@ -167,30 +188,42 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table):
     v_cache[idx, rows] = v.to(v_cache.dtype)
 
 
-def _rotate(q, k, cos, sin, interleaved, cache_seqlens, local, fuse_k=False):
-    """(q, k, rotary of the append) with the rotary embedding at their cache positions (see
-    flash_attn_with_kvcache).  With ``fuse_k`` the new keys are only checked here and
-    rotated by the append kernel on their way into the cache: the third value is what it
-    needs (``cos, sin, interleaved``), else ``None``."""
-    from flashtile.rotary import apply_rotary_emb, check_rotary_arguments
-
+def _rotary_flags(cos, sin, interleaved):
     if cos is None or sin is None:
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if not isinstance(interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(interleaved).__name__}")
-    fused = None
-    if k is not None and fuse_k:
-        check_rotary_arguments(k, cos, sin, interleaved, False, cache_seqlens, None, None)
-        fused = (cos, sin, interleaved)
-    elif k is not None:
-        k = apply_rotary_emb(k, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens)
+
+
+def _rotate(q, k, cos, sin, interleaved, positions, local):
+    """(q, k) with the rotary embedding at their cache positions (see flash_attn_with_kvcache),
+    computed by :func:`flashtile.apply_rotary_emb` (the CPU path)."""
+    from flashtile.rotary import apply_rotary_emb
+
+    _rotary_flags(cos, sin, interleaved)
+    if k is not None:
+        k = apply_rotary_emb(k, cos, sin, interleaved=interleaved, seqlen_offsets=positions)
     if local:
-        return apply_rotary_emb(q, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens), k, fused
+        return apply_rotary_emb(q, cos, sin, interleaved=interleaved, seqlen_offsets=positions), k
     # Every query row at position cache_seqlens[b]: the rows become one position's heads.
     batch, seqlen_q, nheads, d = q.shape
     flat = q.reshape(batch, 1, seqlen_q * nheads, d)
-    q = apply_rotary_emb(flat, cos, sin, interleaved=interleaved, seqlen_offsets=cache_seqlens).reshape(q.shape)
-    return q, k, fused
+    q = apply_rotary_emb(flat, cos, sin, interleaved=interleaved, seqlen_offsets=positions).reshape(q.shape)
+    return q, k
+
+
+def _check_rotary_fused(q, k, cos, sin, interleaved, positions, local):
+    """:func:`_rotate`'s checks without computing anything: on a GPU the split kernel rotates q
+    and the new k itself (a bad table raises here, before anything is written)."""
+    from flashtile.rotary import check_rotary_arguments
+
+    _rotary_flags(cos, sin, interleaved)
+    if k is not None:
+        check_rotary_arguments(k, cos, sin, interleaved, False, positions, None, None)
+    if not local:
+        batch, seqlen_q, nheads, d = q.shape
+        q = q.reshape(batch, 1, seqlen_q * nheads, d)
+    check_rotary_arguments(q, cos, sin, interleaved, False, positions, None, None)
 
 
 def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes,
@@ -220,27 +253,52 @@ def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
 
 
 def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, left, right, softcap,
-                 alibi_slopes, num_splits, leftpad=None, rotary=None):
-    """The append (if ``k`` is given; rotated on the way with ``rotary``, see
-    :func:`flashtile.kernels.decode.append_kv`) and the attention, on checked arguments, in
-    the kernels.
+                 alibi_slopes, num_splits, leftpad=None, rotary=None, entry=None):
+    """The append (if ``k`` is given) and the attention, on checked arguments, in one split
+    kernel launch (plus the combine when the keys are split): the kernel writes the new keys
+    into the cache and attends to them; with ``rotary`` ``(cos, sin, interleaved, local)`` it
+    rotates q and the new keys (see :func:`flashtile.kernels.decode._decode_split`).
 
     A decoding step lasts microseconds on the GPU, so nothing but the kernels is launched:
     index tensors go to them as they are (int32 or int64), one int length for every sequence
-    as an int, and the decode kernel adds the appended keys to the lengths itself."""
-    from flashtile.kernels.decode import append_kv, decode
+    as an int.  ``entry``: the call's memo entry (:class:`_Checked`), which keeps the launch
+    plan; ``None`` builds the plan for this call alone."""
+    from flashtile.kernels import decode as kd
 
-    seqlen_new = 0
-    if k is not None:
-        seqlen_new = k.shape[1]
-        if torch.compiler.is_compiling():
-            with torch.no_grad():  # traced as a mutation of the cache, never differentiated
-                append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=rotary)
-        else:
-            # An eager launch is invisible to autograd: no grad mode to enter (~1 us).
-            append_kv(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary=rotary)
-    return decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, scale, left, right, softcap,
-                  alibi_slopes, num_splits, cache_leftpad=leftpad, seqlen_new=seqlen_new)
+    compiling = torch.compiler.is_compiling()
+    plan = None
+    if entry is not None and not compiling:
+        raw = kd.tuning_raw()
+        plan = entry.plan
+        if plan is None or entry.tuning != raw or entry.generation is not kd.plan_generation:
+            plan = None
+            entry.plan = None
+    if plan is None or not entry.as_read:
+        # The kernel reads entry b of the index tensors at offset b (block-table rows with their
+        # own stride, columns at stride 1): strided views are copied first.
+        as_read = ((not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.is_contiguous())
+                   and (cache_batch_idx is None or cache_batch_idx.is_contiguous())
+                   and (leftpad is None or leftpad.is_contiguous())
+                   and (block_table is None or block_table.stride(1) == 1)
+                   and (alibi_slopes is None or alibi_slopes.is_contiguous()))
+        if not as_read:
+            if isinstance(cache_seqlens, torch.Tensor):
+                cache_seqlens = cache_seqlens.contiguous()
+            cache_batch_idx = None if cache_batch_idx is None else cache_batch_idx.contiguous()
+            leftpad = None if leftpad is None else leftpad.contiguous()
+            if block_table is not None and block_table.stride(1) != 1:
+                block_table = block_table.contiguous()
+            alibi_slopes = None if alibi_slopes is None else alibi_slopes.contiguous()
+        if plan is None:
+            raw = kd.tuning_raw()
+            plan = kd.step_plan(q, k_cache, v_cache, k, v, block_table, isinstance(cache_seqlens, torch.Tensor),
+                                cache_batch_idx is not None, leftpad is not None, alibi_slopes, scale, left, right,
+                                softcap, num_splits, rotary, kd.tuning_text(raw))
+            if entry is not None and not compiling:
+                entry.plan, entry.tuning, entry.generation, entry.as_read = plan, raw, kd.plan_generation, as_read
+    cos, sin = (rotary[0], rotary[1]) if rotary is not None else (None, None)
+    return plan.run(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, leftpad, alibi_slopes, k, v,
+                    cos, sin, bound=not compiling)
 
 
 def flash_attn_with_kvcache(
@@ -294,14 +352,16 @@ def flash_attn_with_kvcache(
     Returns:
         ``out`` like q, or ``(out, lse)`` with lse float32 ``(batch, nheads, seqlen_q)``.
     """
-    params, capacity = _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                          softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-                                          return_lse, cache_leftpad)
+    entry = _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+                               causal, window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad,
+                               rotary_cos, rotary_sin, rotary_interleaved)
+    params, capacity = entry.params, entry.capacity
     batch = q.shape[0]
     seqlen_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         cache_seqlens = capacity if k is None else 0
-    if not q.is_cuda or check_device_values:
+    is_cuda = q.is_cuda
+    if not is_cuda or check_device_values:
         check_kvcache_index_values(cache_seqlens, cache_batch_idx, block_table, seqlen_new=seqlen_new,
                                    capacity=capacity, cache_rows=k_cache.shape[0], cache_leftpad=cache_leftpad)
     elif cache_seqlens.__class__ is int:
@@ -310,21 +370,30 @@ def flash_attn_with_kvcache(
         check_kvcache_length(cache_seqlens, seqlen_new, capacity)
     if seqlen_new == 0:
         k = v = None  # nothing to write: an empty append is no append
-    rotary_k = None
+    rotary = None
     if rotary_cos is not None or rotary_sin is not None:
-        # Checked (apply_rotary_emb validates before computing) and computed before the
-        # append, so a bad table changes nothing in the cache.
-        # On a GPU the append kernel rotates the new keys as it writes them (one launch
-        # fewer); the tables are checked here all the same.
-        positions = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
-        q, k, rotary_k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions,
-                                 local=params.window_left >= 0 or params.window_right >= 0, fuse_k=q.is_cuda)
-        if rotary_k is not None:
-            rotary_k += (cache_leftpad,)
+        # Checked before anything is computed or written, so a bad table changes nothing in
+        # the cache.  Positions count from the left padding.
+        local = params.window_left >= 0 or params.window_right >= 0
+        if not is_cuda:
+            positions = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
+            q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions, local)
+        else:
+            # The split kernel rotates q and the new keys.  On a GPU a position tensor is checked
+            # by dtype, shape and device only (cache_leftpad's stand in for the difference), so
+            # the checks are memoised with the call's key; an int position is checked per call
+            # against the table's length.
+            positions = cache_seqlens if cache_leftpad is None else cache_leftpad
+            span = max(q.shape[1] if local else 1, seqlen_new)
+            if (not entry.rotary_ok or (positions.__class__ is int and not (
+                    0 <= positions and positions + span <= rotary_cos.shape[0]))):
+                _check_rotary_fused(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions, local)
+                entry.rotary_ok = True
+            rotary = (rotary_cos, rotary_sin, rotary_interleaved, local)
     args = (params.softmax_scale, params.window_left, params.window_right, params.softcap, alibi_slopes)
-    if q.is_cuda:
+    if is_cuda:
         out, lse = _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, *args,
-                                num_splits, leftpad=cache_leftpad, rotary=rotary_k)
+                                num_splits, leftpad=cache_leftpad, rotary=rotary, entry=entry)
         return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)

@@ -28,7 +28,7 @@ def test_host_path_without_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "6 passed, 1 skipped" in done.stdout.splitlines()[-1], done.stdout[-2000:]
+    assert "8 passed, 1 skipped" in done.stdout.splitlines()[-1], done.stdout[-2000:]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -55,6 +55,9 @@ def stub(monkeypatch):
     monkeypatch.setattr(launch_mod, "_ordinary", ordinary)
     monkeypatch.setattr(profile_host_cpu._StubCompiled, "run", direct)
     launch_mod.clear()
+    from flashtile import kvcache
+
+    kvcache._checked.clear()  # its entries keep launch plans: each test counts its own launches
     with profile_host_cpu.stubbed_gpu():
         yield counts
 
@@ -74,29 +77,64 @@ def test_decode_steps_launch_directly_after_the_first(stub, lengths):
     for step in range(6):
         seqlens = 100 + step if lengths == "int" else torch.tensor([100 + step, 7 + step], dtype=torch.int32)
         flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens)
-    # The first step compiles (append + split kernel); a growing int length changes its class
-    # at most at multiples of 16 (none between 100 and 105 but 112 is not reached).
-    assert stub["ordinary"] == 2 and stub["direct"] == 10
+    # One launch per step (the append is fused into the split kernel; one split at this
+    # shape): the first compiles, a growing int length changes its class at most at
+    # multiples of 16 (none between 100 and 105).
+    assert stub["ordinary"] == 1 and stub["direct"] == 5
 
 
 @in_child
 def test_decode_steps_reuse_their_checks_and_launch_plans(stub):
     """A decoding loop (one shape, a growing length) checks its arguments and plans its
-    launches once: the memo of the checks, the append plans and the split plans (the combine
-    launch's included) gain one entry each, whatever the number of steps."""
+    launches once: the memo of the checks gains one entry, which holds the step's plan (the
+    append fused into the split kernel, the combine launch's plan included), whatever the
+    number of steps; the standalone plans of decode() / append_kv() are not used."""
     from flashtile import kvcache
     from flashtile.kernels import decode as kd
 
     q, kc, vc, kn, vn = _decode_inputs()
     kc, vc = (torch.zeros(2, 4096, 2, 64, dtype=torch.bfloat16) for _ in range(2))  # long enough to split
-    checked = len(kvcache._checked)
+    checked = len(kvcache._checked)  # 0: the fixture cleared it
     for step in range(6):
         flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=1000 + step)
     assert len(kvcache._checked) == checked + 1
-    assert len(kd._split_plans) == 1 and len(kd._append_plans) == 1
-    (plan,) = kd._split_plans.values()
-    assert not plan.direct  # the H200's split count: the combine kernel runs too
-    assert stub["ordinary"] == 3 and stub["direct"] == 15
+    assert not kd._split_plans and not kd._append_plans
+    plans = [e.plan for e in kvcache._checked.values() if e.plan is not None]
+    assert len(plans) == 1 and not plans[0].direct  # the H200's split count: the combine kernel runs too
+    assert plans[0].options["APPEND"]
+    assert stub["ordinary"] == 2 and stub["direct"] == 10
+
+
+@in_child
+def test_rotary_decode_steps_launch_once_per_kernel(stub):
+    """Rotary + append: q and the new keys are rotated by the split kernel, so the step makes
+    the launches of a plain append step (no rotary kernel, no torch op on q)."""
+    q, kc, vc, kn, vn = _decode_inputs()
+    angles = torch.rand(200, 32)
+    cos, sin = angles.cos(), angles.sin()
+    for step in range(6):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=100 + step, rotary_cos=cos,
+                                          rotary_sin=sin, causal=True)
+    assert stub["ordinary"] == 1 and stub["direct"] == 5
+    with pytest.raises(ValueError, match="seqlen_offsets"):  # an int position past the tables, checked per call
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=200, rotary_cos=cos, rotary_sin=sin)
+
+
+@in_child
+def test_tuning_environment_rebuilds_the_memoised_plan(stub, monkeypatch):
+    from flashtile import kvcache
+    from flashtile.kernels import decode as kd
+
+    q, kc, vc, kn, vn = _decode_inputs()
+    monkeypatch.delenv(kd.TUNING_ENV, raising=False)
+    flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=10)
+    (entry,) = [e for e in kvcache._checked.values() if e.plan is not None]
+    first = entry.plan
+    flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=11)
+    assert entry.plan is first
+    monkeypatch.setenv(kd.TUNING_ENV, "warps=8")
+    flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=12)
+    assert entry.plan is not first and entry.plan.options["num_warps"] == 8
 
 
 @in_child

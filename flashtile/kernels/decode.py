@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.launch import launch
+from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.online_softmax import LOG2E, online_max, score_mod, score_mod_args
 from flashtile.kernels.runtime import (
@@ -111,26 +111,125 @@ def _cache_slots(keys, key_ok, cache_b, b, BLOCK_TABLE, stride_bt, num_blocks, P
 
 
 @triton.jit
+def _rotary_tables(COS, SIN, rot_pos, pos_ok, offs_d, stride_cos_p, stride_cos_k, stride_sin_p, stride_sin_k,
+                   seqlen_ro, half_rotary, INTERLEAVED: tl.constexpr):
+    """``(partner, cos, sin, angle_ok)`` of the rows at rotary positions ``rot_pos`` (the rule of
+    :mod:`flashtile.kernels.rotary`: the first ``2 * half_rotary`` features in pairs; a row
+    whose position is outside the ``seqlen_ro`` rows of the tables is left unrotated).  Each
+    feature is combined with its pair partner, loaded a second time in partner order, so a
+    tile stays one ``(rows, HEAD_DIM)`` block: ``out = x * cos + partner * sin`` with the sign
+    of the pair rule folded into ``sin``."""
+    rotated = offs_d < 2 * half_rotary
+    if INTERLEAVED:
+        # Pair k is features (2k, 2k + 1): out_2k = x_2k cos - x_2k+1 sin, out_2k+1 = x_2k+1 cos + x_2k sin.
+        pair = offs_d // 2
+        partner = offs_d ^ 1
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        # Pair k is features (k, k + half_rotary).
+        first = offs_d < half_rotary
+        pair = tl.where(first, offs_d, offs_d - half_rotary)
+        partner = tl.where(first, offs_d + half_rotary, offs_d - half_rotary)
+        sign = tl.where(first, -1.0, 1.0)
+    partner = tl.where(rotated, partner, offs_d)
+    angle_ok = (pos_ok & (rot_pos >= 0) & (rot_pos < seqlen_ro))[:, None] & rotated[None, :]
+    cos = tl.load(COS + rot_pos[:, None] * stride_cos_p + pair[None, :] * stride_cos_k, mask=angle_ok,
+                  other=1.0).to(tl.float32)
+    sin = tl.load(SIN + rot_pos[:, None] * stride_sin_p + pair[None, :] * stride_sin_k, mask=angle_ok,
+                  other=0.0).to(tl.float32) * sign[None, :]
+    return partner, cos, sin, angle_ok
+
+
+@triton.jit
+def _rotate_rows(x, rows, partner, cos, sin, angle_ok, mask):
+    """``x`` (loaded from ``rows + offs_d``) rotated by :func:`_rotary_tables`' angles, in float32,
+    rounded once to ``x``'s dtype: what :func:`flashtile.apply_rotary_emb` returns.  Unrotated
+    features keep their value as it is (``x * 1 + partner * 0`` would turn an inf partner
+    into NaN)."""
+    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0)
+    return tl.where(angle_ok, x.to(tl.float32) * cos + xp.to(tl.float32) * sin, x.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _append_valid(SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE, stride_bt, stride_btc, batch, seqlen_new, capacity,
+                  cache_rows, seqlen_all, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_SEQLENS: tl.constexpr):
+    """Whether every index value of the *whole* batch lets the append write: lengths in
+    ``[0, capacity - seqlen_new]``, cache rows and the pages that receive keys in
+    ``[0, cache_rows)``.  An append writes nothing unless they all do, so a launch with a bad
+    value (possible only where the host could not read them, in CUDA-graph capture) changes
+    nothing and touches nothing out of bounds."""
+    offs_b = tl.arange(0, BLOCK_B)
+    b_ok = offs_b < batch
+    if HAS_SEQLENS:
+        lens = tl.load(SEQLENS + offs_b, mask=b_ok, other=0).to(tl.int64)
+    else:
+        lens = tl.zeros([BLOCK_B], tl.int64) + seqlen_all
+    ok = (lens >= 0) & (lens <= capacity - seqlen_new)
+    if HAS_BATCH_IDX:
+        cbi = tl.load(CACHE_BATCH_IDX + offs_b, mask=b_ok, other=0)
+        ok = ok & (cbi >= 0) & (cbi < cache_rows)
+    if PAGED:
+        # The block-table columns holding positions lens[b] ... lens[b] + seqlen_new - 1.
+        col = (tl.where(ok, lens, 0) // PAGE_SIZE)[:, None] + tl.arange(0, BLOCK_P)[None, :]
+        col_ok = b_ok[:, None] & ok[:, None] & (col <= ((lens + seqlen_new - 1) // PAGE_SIZE)[:, None])
+        pages = tl.load(BLOCK_TABLE + offs_b[:, None].to(tl.int64) * stride_bt + col * stride_btc, mask=col_ok,
+                        other=0)
+        page_bad = col_ok & ((pages < 0) | (pages >= cache_rows))
+        ok = ok & (tl.max(page_bad.to(tl.int32), 1) == 0)
+    return tl.min(tl.where(b_ok, ok, True).to(tl.int32), 0) == 1
+
+
+@triton.jit
+def _append_slots(pos, t_ok, b, cache_b, BLOCK_TABLE, stride_bt, stride_btc, PAGED: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr):
+    """``(cache index, row)`` (int64) where the appended keys at positions ``pos`` of sequence
+    ``b`` land (``t_ok``: the rows to write; the others get index 0)."""
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + (pos // PAGE_SIZE) * stride_btc, mask=t_ok, other=0)
+        idx, row = page.to(tl.int64), pos % PAGE_SIZE
+    else:
+        idx, row = cache_b.to(tl.int64) + tl.zeros_like(pos), pos
+    return tl.where(t_ok, idx, 0), row
+
+
+@triton.jit
 def _decode_split(
-    Q, K, V, O_PART, LSE_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, LEFTPAD, ALIBI, stride_ab,
-    OUT, LSE, stride_ob, stride_on, stride_oh,
+    Q, K, V, O_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, LEFTPAD, ALIBI, OUT, LSE, K_NEW, V_NEW, COS, SIN,
+    seqlen_k_all, stride_ab, stride_ob, stride_on, stride_oh,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
-    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_k_all, seqlen_new, capacity, cache_rows,
+    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
+    stride_cos_p, stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro, half_rotary,
+    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_new, capacity, cache_rows,
     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
     HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, DIRECT: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """One (sequence, KV head, split): the split's keys against every query row of the head's
     GQA group.  With ``DIRECT`` (one split) the program writes ``OUT`` / ``LSE`` itself;
-    otherwise it leaves a partial output and LSE for :func:`_combine_splits`.
+    otherwise it leaves a partial output and LSE for :func:`_combine_splits` in ``O_PART``
+    (the outputs, then the LSEs).
 
     With ``HAS_LEFTPAD`` sequence b's keys start at cache position ``LEFTPAD[b]``: the kernel
     works on key indices counted from there (masks and ALiBi aligned to them) and reads
-    position ``LEFTPAD[b] + j`` for key ``j``."""
+    position ``LEFTPAD[b] + j`` for key ``j``.
+
+    With ``APPEND`` the call's ``seqlen_new`` new keys / values (``K_NEW``, ``V_NEW``) are part
+    of the step: split 0 of each (sequence, KV head) writes them into the cache at positions
+    ``SEQLENS_K[b] ...`` (``seqlen_k_all ...``) -- nothing in the whole launch unless every
+    index of the batch is valid, :func:`_append_valid` -- and the split whose keys they are
+    attends to them straight from ``K_NEW`` / ``V_NEW`` (rounded to the cache's dtype, as
+    stored), never from the rows being written: the cache is read only below the old length,
+    so no program reads what another writes.  With ``ROTARY`` the new keys are rotated at
+    rotary positions ``SEQLENS_K[b] - LEFTPAD[b] + t``, and the query rows at
+    ``SEQLENS_K[b] - LEFTPAD[b]`` (``+ i`` for row ``i`` with ``ROTARY_LOCAL``), as
+    :func:`flashtile.apply_rotary_emb` would before the call."""
     if PDL:
         # The combine kernel may be launched now; it waits for this grid's results itself.
         gdc_launch_dependents()
@@ -141,9 +240,10 @@ def _decode_split(
     # The keys of sequence b: its valid length before this call's append (``SEQLENS_K[b]``, or
     # ``seqlen_k_all`` for every sequence) plus the ``seqlen_new`` keys appended by the call.
     if HAS_SEQLENS:
-        seqlen_k = tl.load(SEQLENS_K + b) + seqlen_new
+        old_len = tl.load(SEQLENS_K + b)
     else:
-        seqlen_k = seqlen_k_all + seqlen_new
+        old_len = seqlen_k_all
+    seqlen_k = old_len + seqlen_new
     # Index values are clamped into the cache (a length in [0, capacity], a row or page id
     # that exists): the host checks them where it can read them, not inside CUDA-graph
     # capture, and no value may make this kernel read out of bounds.
@@ -156,15 +256,11 @@ def _decode_split(
     else:
         cache_b = b
     key_base = 0
+    pad = 0
     if HAS_LEFTPAD:
-        key_base = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), seqlen_k)
+        pad = tl.load(LEFTPAD + b)
+        key_base = tl.minimum(tl.maximum(pad, 0), seqlen_k)
         seqlen_k = seqlen_k - key_base
-
-    # Rows of the tile: query positions of the heads of the group, BLOCK_M at a time.
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    i = rows % seqlen_q  # query position
-    h = hk * group + rows // seqlen_q  # query head
-    row_ok = rows < group * seqlen_q
     offs_d = tl.arange(0, HEAD_DIM)
     # A constexpr head dim: when it is a power of two the loads carry no column mask, so they
     # vectorise and the compiler can pipeline them (cp.async); a column mask against a runtime
@@ -173,8 +269,58 @@ def _decode_split(
         d_ok = offs_d < HEAD_DIM  # folded away
     else:
         d_ok = offs_d < headdim
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + i[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    rot_base = tl.full([], 0, tl.int64) + old_len - pad  # the rotary position of the first new key (int64)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen_k)
+
+    if APPEND:
+        if (split == 0) & (tl.program_id(2) == 0):
+            all_ok = _append_valid(SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, stride_bt, 1, tl.num_programs(0) // nheads_k,
+                                   seqlen_new, capacity, cache_rows, seqlen_k_all, BLOCK_B, BLOCK_P, PAGED, PAGE_SIZE,
+                                   HAS_BATCH_IDX, HAS_SEQLENS)
+            for t0 in range(0, seqlen_new, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                t_ok = (t < seqlen_new) & all_ok
+                pos = tl.where(t_ok, t.to(tl.int64) + old_len, 0)
+                idx, row = _append_slots(pos, t_ok, b, cache_b, BLOCK_TABLE, stride_bt, 1, PAGED, PAGE_SIZE)
+                mask = t_ok[:, None] & d_ok[None, :]
+                k_rows = K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + hk * stride_knh
+                kn = tl.load(k_rows + offs_d[None, :], mask=mask, other=0.0)
+                if ROTARY:
+                    partner, cos, sin, angle_ok = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d, stride_cos_p,
+                                                                 stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro,
+                                                                 half_rotary, INTERLEAVED)
+                    kn = _rotate_rows(kn, k_rows, partner, cos, sin, angle_ok, mask)
+                vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + hk * stride_vnh
+                             + offs_d[None, :], mask=mask, other=0.0)
+                tl.store(K + (idx * stride_kb + row * stride_kn)[:, None] + hk * stride_kh + offs_d[None, :],
+                         kn.to(K.dtype.element_ty), mask=mask)
+                tl.store(V + (idx * stride_vb + row * stride_vn)[:, None] + hk * stride_vh + offs_d[None, :],
+                         vn.to(V.dtype.element_ty), mask=mask)
+        # Key index of the first new key: the cache is read below it, the new keys from there on.
+        new_lo = old_len - key_base
+        cache_end = tl.minimum(seqlen_k, new_lo)
+        cache_stop = tl.minimum(end, cache_end)
+    else:
+        cache_end = seqlen_k
+        cache_stop = end
+
+    # Rows of the tile: query positions of the heads of the group, BLOCK_M at a time.
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = rows % seqlen_q  # query position
+    h = hk * group + rows // seqlen_q  # query head
+    row_ok = rows < group * seqlen_q
+    q_rows = Q + b.to(tl.int64) * stride_qb + i[:, None] * stride_qn + h[:, None] * stride_qh
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
+    if ROTARY:
+        if ROTARY_LOCAL:
+            q_pos = rot_base + i
+        else:
+            q_pos = rot_base + tl.zeros_like(i).to(tl.int64)
+        partner, cos, sin, angle_ok = _rotary_tables(COS, SIN, q_pos, row_ok, offs_d, stride_cos_p, stride_cos_k,
+                                                     stride_sin_p, stride_sin_k, seqlen_ro, half_rotary, INTERLEAVED)
+        q = _rotate_rows(q, q_rows, partner, cos, sin, angle_ok, q_mask)
     if HAS_ALIBI:
         slope_log2 = tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0)[:, None] * 1.4426950408889634
     else:
@@ -183,11 +329,9 @@ def _decode_split(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    start = split * chunk
-    end = tl.minimum(start + chunk, seqlen_k)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, cache_stop, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
-        idx, slot, key_ok = _cache_slots(keys + key_base, keys < seqlen_k, cache_b, b, BLOCK_TABLE, stride_bt,
+        idx, slot, key_ok = _cache_slots(keys + key_base, keys < cache_end, cache_b, b, BLOCK_TABLE, stride_bt,
                                          cache_rows, PAGED, PAGE_SIZE)
         k_rows = idx * stride_kb + slot * stride_kn
         v_rows = idx * stride_vb + slot * stride_vn
@@ -201,8 +345,9 @@ def _decode_split(
             s = qk * qk_scale
         visible = band_mask(i[:, None], keys[None, :], seqlen_q, seqlen_k, window_left, window_right,
                             MASK_LEFT, MASK_RIGHT)
-        if PAGED:
-            visible = visible & key_ok[None, :]  # keys behind an invalid page id
+        if PAGED or APPEND:
+            # Keys behind an invalid page id; with APPEND, the new keys (attended below).
+            visible = visible & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new, m_sub = online_max(s, m_i, 1.0, True)  # every tile may hold masked keys
         p = tl.math.exp2(s - m_sub[:, None])
@@ -211,6 +356,39 @@ def _decode_split(
         v = tl.load(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+    if APPEND:
+        # This split's new keys, from K_NEW / V_NEW: the same tile step on keys that would be
+        # loaded from the rows being written.
+        for n0 in range(tl.maximum(start, new_lo), end, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            t = keys - new_lo
+            t_ok = (keys < end) & (t >= 0) & (t < seqlen_new)
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k_rows = K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + hk * stride_knh
+            k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0)
+            if ROTARY:
+                partner, cos, sin, angle_ok = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d, stride_cos_p,
+                                                             stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro,
+                                                             half_rotary, INTERLEAVED)
+                k = _rotate_rows(k, k_rows, partner, cos, sin, angle_ok, kv_mask)
+            k = k.to(K.dtype.element_ty)  # what the cache holds
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if HAS_SOFTCAP or HAS_ALIBI:
+                s, _ = score_mod(qk, i[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                                  softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+            else:
+                s = qk * qk_scale
+            visible = band_mask(i[:, None], keys[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                                MASK_LEFT, MASK_RIGHT) & t_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new, m_sub = online_max(s, m_i, 1.0, True)
+            p = tl.math.exp2(s - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + hk * stride_vnh
+                        + offs_d[None, :], mask=kv_mask, other=0.0).to(V.dtype.element_ty)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
 
     # A row with no visible key gives 0 by selection: its acc may hold 0 * inf = NaN from a
     # masked key's V, which no multiplication by 0 would clear.
@@ -226,20 +404,23 @@ def _decode_split(
         tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE + lse_off, lse, mask=row_ok)
     else:
-        # Partials: O_PART (splits, batch, seqlen_q, nheads, HEAD_DIM), LSE_PART (splits, batch, nheads, seqlen_q).
+        # Partials in O_PART: (splits, batch, seqlen_q, nheads, HEAD_DIM) outputs, then
+        # (splits, batch, nheads, seqlen_q) LSEs.
         part = split * batch + b  # (split, batch) flattened
         o_off = ((part.to(tl.int64) * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :]
         tl.store(O_PART + o_off, out, mask=row_ok[:, None])
-        tl.store(LSE_PART + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
+        lse_part = O_PART + (num_splits * batch * seqlen_q * nheads).to(tl.int64) * HEAD_DIM
+        tl.store(lse_part + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
 
 
 @triton.jit
 def _combine_splits(
-    O_PART, LSE_PART, OUT, LSE, num_splits, batch, seqlen_q, nheads, headdim,
+    O_PART, OUT, LSE, num_splits, batch, seqlen_q, nheads, headdim,
     stride_ob, stride_on, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (batch, query row, head): out = sum_s w_s * o_s with w_s = exp(lse_s - lse).
+    """One program per (batch, query row, head): out = sum_s w_s * o_s with w_s = exp(lse_s - lse)
+    (``O_PART``: the split kernel's partial outputs, then their LSEs).
 
     With ``PDL`` the launch overlaps the split kernel's tail, and the program waits for that
     kernel's partials before reading them."""
@@ -251,6 +432,7 @@ def _combine_splits(
     b = pid // (nheads * seqlen_q)
     s = tl.arange(0, BLOCK_S).to(tl.int64)
     s_ok = s < num_splits
+    LSE_PART = O_PART + (num_splits * batch * seqlen_q * nheads).to(tl.int64) * HEAD_DIM
     lse_s = tl.load(LSE_PART + ((s * batch + b) * nheads + h) * seqlen_q + i, mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
     # Every split empty (no visible key): keep exp() finite and give zeros with LSE -inf.
@@ -383,28 +565,58 @@ def cached_launch_config(batch: int, nheads_k: int, capacity: int, device: torch
 # Positions of the int length shared by every sequence (``seqlen_k_all`` / ``seqlen_all``),
 # which grows every decoding step, among the kernels' runtime arguments: a hint for the
 # launch layer's key (classified each call instead of memoised by value).
-_SPLIT_DYNAMIC = (31,)
-_APPEND_DYNAMIC = (36,)
+_SPLIT_DYNAMIC = (_decode_split.arg_names.index("seqlen_k_all"),)
 
 # --- Launch plans ------------------------------------------------------------------------
 # A decoding loop calls with one shape for thousands of steps.  Everything of a launch but
 # the tensors and the shared int length -- grids, constexprs and options, split count, the
 # int and float arguments -- is a function of the shapes, strides, dtypes, device, flags and
 # scalars of the call (and of the tuning text), so it is worked out once per such key (a
-# plan) and a call only fills in its tensors and its length.  The kernels themselves are
-# looked up at every call (module globals: tests wrap them), as are the tuning text and
-# the launch layer's own key (alignment, int classes).  Bounded like the launch layer's
-# memos: a workload cycling through more keys than this builds plans again, nothing else.
+# plan) and a call only fills in its tensors and its length.  A plan also holds its kernels'
+# bound launchers (:func:`flashtile.kernels.launch.bind`, built at its first launch): the
+# plan's own int and float objects are passed at every call, so the launch layer keys a call
+# on its tensors' dtypes and alignment and the length's class alone.  A launcher is rebuilt
+# when the module's kernel is not the one it holds (tests wrap the kernels).  Bounded like
+# the launch layer's memos: a workload cycling through more keys than this builds plans
+# again, nothing else.
 _MAX_PLANS = 256
 _split_plans: dict = {}
 _append_plans: dict = {}
 
 
+plan_generation = object()  # replaced by clear_plans(): plans kept elsewhere (kvcache's memo) are stale
+
+
 def clear_plans() -> None:
     """Forget the cached launch plans (after a test changes what a plan was built from: the
     tile constants, the device queries)."""
+    global plan_generation
     _split_plans.clear()
     _append_plans.clear()
+    plan_generation = object()
+
+
+try:  # CPython's mapping behind os.environ: one dict look-up instead of encoding the name
+    _ENVIRON = os.environ._data
+    _TUNING_KEY = os.environ.encodekey(TUNING_ENV)
+except AttributeError:  # another Python: read through os.environ
+    _ENVIRON, _TUNING_KEY = None, None
+
+
+def tuning_raw():
+    """The ``FLASHTILE_DECODE_TUNING`` value as stored in the environment (``None`` when unset):
+    a plan key's part that invalidates plans when the variable changes, read at the cost of
+    one dict look-up per call (the text itself: :func:`tuning_text`)."""
+    if _ENVIRON is not None:
+        return _ENVIRON.get(_TUNING_KEY)
+    return os.environ.get(TUNING_ENV)
+
+
+def tuning_text(raw) -> str:
+    """The variable's text from :func:`tuning_raw`'s value."""
+    if raw is None:
+        return ""
+    return raw if raw.__class__ is str else os.environ.decodevalue(raw)
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -416,16 +628,61 @@ def _contiguous_strides(shape) -> tuple:
 
 
 class _SplitPlan:
-    """What :func:`decode` launches for one key: see its construction in :func:`_split_plan`."""
+    """What one decoding step launches for one key: see its construction in :func:`_split_plan`
+    and :meth:`run`."""
 
-    __slots__ = ("grid", "options", "stride_ab", "mid", "tail", "direct", "out_shape", "lse_shape", "o_numel",
-                 "part_numel", "combine_grid", "combine_options", "combine_tail")
+    __slots__ = ("grid", "options", "tail", "direct", "out_shape", "lse_shape", "part_numel", "dtype",
+                 "device", "has_seqlens", "combine_grid", "combine_options", "combine_tail", "split_launch",
+                 "combine_launch")
+
+    def run(self, q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, leftpad, alibi_slopes, k_new=None,
+            v_new=None, cos=None, sin=None, bound=True):
+        """``(out, lse)`` of the step; index tensors as the kernel reads them (contiguous, a
+        block table's columns at stride 1).  ``bound``: through the bound launchers (not
+        while torch.compile traces)."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        # The partials, (splits, batch, seqlen_q, nheads, HEAD_DIM) outputs then (splits, batch,
+        # nheads, seqlen_q) LSEs, in one float32 buffer (the kernels find the LSEs after the
+        # outputs); with one split the program writes out and lse itself.
+        part = None if self.direct else torch.empty(self.part_numel, dtype=torch.float32, device=self.device)
+        # Pointer arguments the kernel does not read (behind a constexpr flag): ``None``, which
+        # Triton makes a constexpr and the launch layer keys by identity (fewer tensors to
+        # classify per call); a tensor while torch.compile traces.
+        ph = lse if not bound else None
+        if part is None and not bound:
+            part = lse
+        args = (q, k_cache, v_cache, part, seqlens_k if self.has_seqlens else ph,
+                ph if cache_batch_idx is None else cache_batch_idx, ph if block_table is None else block_table,
+                ph if leftpad is None else leftpad, ph if alibi_slopes is None else alibi_slopes, out, lse,
+                ph if k_new is None else k_new, ph if v_new is None else v_new, ph if cos is None else cos,
+                ph if sin is None else sin, 0 if self.has_seqlens else seqlens_k)
+        if not bound:
+            launch(_decode_split, self.grid, args + self.tail, self.options, dynamic=_SPLIT_DYNAMIC)
+            if not self.direct:
+                launch(_combine_splits, self.combine_grid, (part, out, lse) + self.combine_tail,
+                       self.combine_options)
+            return out, lse
+        split = self.split_launch
+        if split is None or split.kernel is not _decode_split:
+            split = self.split_launch = bind(_decode_split, self.grid, self.options, args + self.tail,
+                                             _SPLIT_DYNAMIC, tail_from=len(args))
+        split(args)
+        if not self.direct:
+            combine = self.combine_launch
+            if combine is None or combine.kernel is not _combine_splits:
+                combine = self.combine_launch = bind(_combine_splits, self.combine_grid, self.combine_options,
+                                                     (part, out, lse) + self.combine_tail, tail_from=3)
+            combine((part, out, lse))
+        return out, lse
 
 
 def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
-                softmax_scale, window_left, window_right, softcap, num_splits, seqlen_new, tuning_text):
+                softmax_scale, window_left, window_right, softcap, num_splits, seqlen_new, tuning_text,
+                new=None, rotary=None):
     """The launch plan of :func:`decode` for these arguments (the index tensors already made
-    contiguous as the kernel reads them)."""
+    contiguous as the kernel reads them).  ``new``: ``(k, v)`` of a fused append (then
+    ``seqlen_new`` is theirs); ``rotary``: ``(cos, sin, interleaved, local)``."""
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
     paged = block_table is not None
@@ -444,29 +701,38 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     plan = _SplitPlan()
     plan.out_shape = (batch, seqlen_q, nheads, d)
     plan.lse_shape = (batch, nheads, seqlen_q)
+    plan.dtype, plan.device, plan.has_seqlens = q.dtype, q.device, has_seqlens
+    plan.split_launch = plan.combine_launch = None
     # The output is allocated contiguous at every call: its strides are those of a fresh tensor
     # (torch's rule: each the product of the later sizes, a size 0 counted as 1).
     out_strides = _contiguous_strides(plan.out_shape)
-    # The partials, (splits, batch, seqlen_q, nheads, HEAD_DIM) outputs then (splits, batch,
-    # nheads, seqlen_q) LSEs, contiguous in one float32 buffer (the kernels compute their
-    # offsets): one allocation per call instead of two.  The LSEs start 64-byte aligned
-    # (HEAD_DIM is a multiple of 16).
-    plan.o_numel = num_splits * batch * seqlen_q * nheads * hd
-    plan.part_numel = plan.o_numel + num_splits * batch * nheads * seqlen_q
+    plan.part_numel = num_splits * batch * seqlen_q * nheads * (hd + 1)
     plan.direct = direct
     mods = score_mod_args(softmax_scale, softcap, alibi_slopes, q)
     plan.grid = (batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))
-    plan.stride_ab = mods["stride_ab"]
-    plan.mid = (*out_strides[:3], *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                block_table.stride(0) if paged else 0, seqlen_q, nheads_k, group, chunk, num_splits)
-    plan.tail = (seqlen_new, capacity, k_cache.shape[0], softmax_scale * LOG2E, window_left, window_right,
-                 mods["softcap_scale"], mods["softcap_log2"])
+    k_new, v_new = new if new is not None else (None, None)
+    cos, sin, interleaved, local = rotary if rotary is not None else (None, None, False, False)
+    head = (
+        mods["stride_ab"], *out_strides[:3], *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_table.stride(0) if paged else 0,
+        *(k_new.stride()[:3] if k_new is not None else (0, 0, 0)), *(v_new.stride()[:3] if v_new is not None else (0, 0, 0)),
+        *(cos.stride() if cos is not None else (0, 0)), *(sin.stride() if sin is not None else (0, 0)),
+        cos.shape[0] if cos is not None else 0, cos.shape[1] if cos is not None else 0,
+        seqlen_q, nheads_k, group, chunk, num_splits)
+    # Every argument after the tensors and the shared length: the bound launcher's own tail.
+    plan.tail = head + (seqlen_new, capacity, k_cache.shape[0], softmax_scale * LOG2E, window_left, window_right,
+                        mods["softcap_scale"], mods["softcap_log2"])
+    block_t = min(64, max(1, next_power_of_2(seqlen_new)))
     plan.options = dict(
         HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=has_batch_idx,
         DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, HAS_LEFTPAD=has_leftpad,
+        APPEND=new is not None, ROTARY=cos is not None, INTERLEAVED=interleaved, ROTARY_LOCAL=local,
+        BLOCK_B=max(2, next_power_of_2(batch)) if new is not None else 1,
+        BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)) if new is not None else 1,
+        BLOCK_T=block_t if new is not None else 1,
         num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
     )
     plan.combine_grid = (batch * seqlen_q * nheads,)
@@ -476,18 +742,31 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     return plan
 
 
+def step_plan(q, k_cache, v_cache, k, v, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
+              softmax_scale, window_left, window_right, softcap, num_splits, rotary, tuning_text):
+    """The plan of one whole decoding step in one launch (two with the combine): the append of
+    ``k``, ``v`` (``None``: none) fused into the split kernel, ``rotary`` ``(cos, sin,
+    interleaved, local)`` or ``None``, on arguments checked by the caller
+    (:func:`flashtile.flash_attn_with_kvcache`, which memoises the plan with its checks).
+    Index tensors must reach :meth:`_SplitPlan.run` as the kernel reads them (contiguous, a
+    block table's columns at stride 1)."""
+    return _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
+                       softmax_scale, window_left, window_right, softcap, num_splits,
+                       0 if k is None else k.shape[1], tuning_text, None if k is None else (k, v), rotary)
+
+
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
            softcap, alibi_slopes, num_splits, cache_leftpad=None, seqlen_new=0):
     """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
 
     ``seqlens_k``: int32 / int64 ``(batch,)`` cache lengths, or one int for every sequence (no
     tensor to fill: a decoding step is short enough that one launch fewer shows); the kernel
-    adds ``seqlen_new`` (the keys just appended) to them, so the caller needs no tensor op
-    for the updated lengths.  ``cache_batch_idx``, ``block_table``, ``cache_leftpad``: int32
-    or int64, read as they are.  One split is one launch; more add the combine kernel,
-    launched programmatically dependent on Hopper.  Both go through
-    :func:`flashtile.kernels.launch.launch` (compiled once per specialisation class, then
-    launched directly), with the launch plan of this call's key (see ``_MAX_PLANS``).
+    adds ``seqlen_new`` (keys an earlier :func:`append_kv` appended) to them, so the caller
+    needs no tensor op for the updated lengths.  ``cache_batch_idx``, ``block_table``,
+    ``cache_leftpad``: int32 or int64, read as they are.  One split is one launch; more add
+    the combine kernel, launched programmatically dependent on Hopper.  Both go through the
+    launch layer (:mod:`flashtile.kernels.launch`: compiled once per specialisation class,
+    then launched directly), with the launch plan of this call's key (see ``_MAX_PLANS``).
     (Merging inside the split kernel -- the last split of each (sequence, KV head) to
     finish merging them all -- measured slower: batch 1, 32k, 32 splits: 2.4 TB/s against
     3.1.)"""
@@ -505,11 +784,12 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
         block_table = block_table.contiguous()
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()  # the kernel steps over heads with stride 1
-    tuning_text = os.environ.get(TUNING_ENV, "")
+    raw = tuning_raw()
     plan_args = (q, k_cache, v_cache, block_table, has_seqlens, cache_batch_idx is not None,
                  cache_leftpad is not None, alibi_slopes, softmax_scale, window_left, window_right, softcap,
-                 num_splits, seqlen_new, tuning_text)
-    if torch.compiler.is_compiling():
+                 num_splits, seqlen_new, tuning_text(raw))
+    compiling = torch.compiler.is_compiling()
+    if compiling:
         plan = _split_plan(*plan_args)  # traced as it stands, no memo (shapes may be symbolic)
     else:
         # Everything the plan reads of the arguments: the (validated) scalars by value and type.
@@ -517,30 +797,14 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
                None if block_table is None else (block_table.shape[1], block_table.stride(0)),
                None if alibi_slopes is None else alibi_slopes.shape, has_seqlens, cache_batch_idx is not None,
                cache_leftpad is not None, softmax_scale, window_left, window_right, softcap, num_splits, seqlen_new,
-               softmax_scale.__class__, softcap.__class__, tuning_text)
+               softmax_scale.__class__, softcap.__class__, raw)
         plan = _split_plans.get(key)
         if plan is None:
             if len(_split_plans) >= _MAX_PLANS:
                 _split_plans.clear()
             plan = _split_plans[key] = _split_plan(*plan_args)
-    out = q.new_empty(plan.out_shape)  # q's dtype and device, contiguous
-    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
-    if plan.direct:
-        o_part = lse_part = lse  # unused: the program writes out and lse itself
-    else:
-        o_part = q.new_empty(plan.part_numel, dtype=torch.float32)
-        lse_part = o_part[plan.o_numel:]
-    placeholder = lse  # for pointer arguments the kernel does not read
-    launch(_decode_split, plan.grid, (
-        q, k_cache, v_cache, o_part, lse_part, seqlens_k if has_seqlens else placeholder,
-        cache_batch_idx if cache_batch_idx is not None else placeholder,
-        block_table if paged else placeholder, cache_leftpad if cache_leftpad is not None else placeholder,
-        alibi_slopes if alibi_slopes is not None else placeholder, plan.stride_ab, out, lse,
-    ) + plan.mid + (0 if has_seqlens else seqlens_k,) + plan.tail, plan.options, dynamic=_SPLIT_DYNAMIC)
-    if not plan.direct:
-        launch(_combine_splits, plan.combine_grid, (o_part, lse_part, out, lse) + plan.combine_tail,
-               plan.combine_options)
-    return out, lse
+    return plan.run(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, cache_leftpad, alibi_slopes,
+                    bound=not compiling)
 
 
 @triton.jit
@@ -561,90 +825,49 @@ def _append_kv(
     (possible only where the host could not read them, in CUDA-graph capture) changes nothing
     and touches nothing out of bounds.
 
-    With ``ROTARY`` the new keys are rotated on their way into the cache (the rule of
-    :mod:`flashtile.kernels.rotary`: the first ``2 * half_rotary`` features in pairs, at
-    rotary position ``SEQLENS[b] + t``, less ``LEFTPAD[b]`` with ``HAS_LEFTPAD``; a position
-    outside the ``seqlen_ro`` rows of the tables is left unrotated).  Each feature is
-    combined with its pair partner, loaded a second time in partner order, so the tile
-    stays one ``(BLOCK_T, HEAD_DIM)`` block: ``out = x * cos + partner * (+-sin)``, in
-    float32, rounded once."""
+    With ``ROTARY`` the new keys are rotated on their way into the cache (:func:`_rotary_tables`,
+    at rotary position ``SEQLENS[b] + t``, less ``LEFTPAD[b]`` with ``HAS_LEFTPAD``), rounded
+    to k's dtype, then to the cache's: what apply_rotary_emb + the append store.  The split
+    kernel appends the same way (its ``APPEND``); this kernel serves callers that append
+    alone."""
     b = tl.program_id(0)
-    offs_b = tl.arange(0, BLOCK_B)
-    b_ok = offs_b < batch
+    all_ok = _append_valid(SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE, stride_bt, stride_btc, batch, seqlen_new, capacity,
+                           cache_rows, seqlen_all, BLOCK_B, BLOCK_P, PAGED, PAGE_SIZE, HAS_BATCH_IDX, HAS_SEQLENS)
     if HAS_SEQLENS:
-        lens = tl.load(SEQLENS + offs_b, mask=b_ok, other=0).to(tl.int64)
         own_len = tl.load(SEQLENS + b).to(tl.int64)
     else:
-        lens = tl.zeros([BLOCK_B], tl.int64) + seqlen_all
         own_len = seqlen_all
-    ok = (lens >= 0) & (lens <= capacity - seqlen_new)
-    if HAS_BATCH_IDX:
-        cbi = tl.load(CACHE_BATCH_IDX + offs_b, mask=b_ok, other=0)
-        ok = ok & (cbi >= 0) & (cbi < cache_rows)
-    if PAGED:
-        # The block-table columns holding positions lens[b] ... lens[b] + seqlen_new - 1.
-        col = (tl.where(ok, lens, 0) // PAGE_SIZE)[:, None] + tl.arange(0, BLOCK_P)[None, :]
-        col_ok = b_ok[:, None] & ok[:, None] & (col <= ((lens + seqlen_new - 1) // PAGE_SIZE)[:, None])
-        pages = tl.load(BLOCK_TABLE + offs_b[:, None].to(tl.int64) * stride_bt + col * stride_btc, mask=col_ok,
-                        other=0)
-        page_bad = col_ok & ((pages < 0) | (pages >= cache_rows))
-        ok = ok & (tl.max(page_bad.to(tl.int32), 1) == 0)
-    all_ok = tl.min(tl.where(b_ok, ok, True).to(tl.int32), 0) == 1
-
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = (t < seqlen_new) & all_ok
     pos = t.to(tl.int64) + own_len
     pos = tl.where(t_ok, pos, 0)
-    if PAGED:
-        page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + (pos // PAGE_SIZE) * stride_btc, mask=t_ok, other=0)
-        idx, row = page.to(tl.int64), pos % PAGE_SIZE
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(CACHE_BATCH_IDX + b)
     else:
-        if HAS_BATCH_IDX:
-            cache_b = tl.load(CACHE_BATCH_IDX + b)
-        else:
-            cache_b = b
-        idx, row = cache_b.to(tl.int64) + tl.zeros_like(pos), pos
-    idx = tl.where(t_ok, idx, 0)
+        cache_b = b
+    idx, row = _append_slots(pos, t_ok, b, cache_b, BLOCK_TABLE, stride_bt, stride_btc, PAGED, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = t_ok[:, None] & (offs_d < headdim)[None, :]
     if ROTARY:
         rot_pos = pos
         if HAS_LEFTPAD:
             rot_pos = pos - tl.load(LEFTPAD + b).to(tl.int64)
-        rotated = offs_d < 2 * half_rotary
-        if INTERLEAVED:
-            # Pair k is features (2k, 2k + 1): out_2k = x_2k cos - x_2k+1 sin, out_2k+1 = x_2k+1 cos + x_2k sin.
-            pair = offs_d // 2
-            partner = offs_d ^ 1
-            sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
-        else:
-            # Pair k is features (k, k + half_rotary).
-            first = offs_d < half_rotary
-            pair = tl.where(first, offs_d, offs_d - half_rotary)
-            partner = tl.where(first, offs_d + half_rotary, offs_d - half_rotary)
-            sign = tl.where(first, -1.0, 1.0)
-        partner = tl.where(rotated, partner, offs_d)
-        angle_ok = (t_ok & (rot_pos >= 0) & (rot_pos < seqlen_ro))[:, None] & rotated[None, :]
-        cos = tl.load(COS + rot_pos[:, None] * stride_cos_p + pair[None, :] * stride_cos_k, mask=angle_ok,
-                      other=1.0).to(tl.float32)
-        sin = tl.load(SIN + rot_pos[:, None] * stride_sin_p + pair[None, :] * stride_sin_k, mask=angle_ok,
-                      other=0.0).to(tl.float32) * sign[None, :]
+        partner, cos, sin, angle_ok = _rotary_tables(COS, SIN, rot_pos, t_ok, offs_d, stride_cos_p, stride_cos_k,
+                                                     stride_sin_p, stride_sin_k, seqlen_ro, half_rotary, INTERLEAVED)
     for h in range(nheads_k):
         k_row = K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + h * stride_knh
         kn = tl.load(k_row + offs_d[None, :], mask=mask, other=0.0)
         if ROTARY:
-            kp = tl.load(k_row + partner[None, :], mask=mask, other=0.0)
-            # Unrotated features keep their value as it is (x * 1 + partner * 0 would turn an
-            # inf partner into NaN).
-            # Rounded to k's dtype, then to the cache's: what apply_rotary_emb + the append store.
-            kn = tl.where(angle_ok, kn.to(tl.float32) * cos + kp.to(tl.float32) * sin,
-                          kn.to(tl.float32)).to(K_NEW.dtype.element_ty)
+            kn = _rotate_rows(kn, k_row, partner, cos, sin, angle_ok, mask)
         vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + h * stride_vnh
                      + offs_d[None, :], mask=mask, other=0.0)
         tl.store(K_CACHE + (idx * stride_kb + row * stride_kn)[:, None] + h * stride_kh + offs_d[None, :],
                  kn.to(K_CACHE.dtype.element_ty), mask=mask)
         tl.store(V_CACHE + (idx * stride_vb + row * stride_vn)[:, None] + h * stride_vh + offs_d[None, :],
                  vn.to(V_CACHE.dtype.element_ty), mask=mask)
+
+
+_APPEND_DYNAMIC = (_append_kv.arg_names.index("seqlen_all"),)
 
 
 class _AppendPlan:

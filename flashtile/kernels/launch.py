@@ -32,6 +32,14 @@ Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6
   Triton as before.  So does Triton's interpreter (``TRITON_INTERPRET=1``: no compiled kernels) and ``torch.compile`` tracing (Dynamo
   understands ``kernel[grid](...)``, not a raw launcher call).
 
+:func:`bind` goes one step further for a caller that launches one kernel again and again with
+the same grid, options and non-tensor arguments (a decoding step's launch plan): it keeps the
+compiled variant per the only classes that can still change -- each tensor's type, dtype and
+16-byte alignment, the ``dynamic`` ints' classes and the current device -- so a call costs a
+few C-level gathers and one dict look-up before the launcher.  Its first call of each class
+goes through :func:`launch` (ordinary launch, or a variant :func:`launch` already holds), and
+every rule above (interpreter, tracing, hooks, failures) applies to it unchanged.
+
 If a direct launch raises, that key is marked failed and the call (and every later one with
 that key) goes through the ordinary launch, which raises again if the error was the caller's
 (a CPU tensor, say).  Tests set :data:`RAISE_DIRECT_ERRORS` so that a bug in this layer
@@ -41,7 +49,7 @@ cannot hide behind the fallback.
 from __future__ import annotations
 
 from functools import reduce
-from operator import attrgetter, itemgetter, or_
+from operator import attrgetter, is_, itemgetter, or_
 
 import torch
 import triton
@@ -196,8 +204,15 @@ _data_ptr = torch.Tensor.data_ptr
 _dtype = attrgetter("dtype")
 
 
+_ENTER_HOOKS = knobs.runtime.launch_enter_hook
+_EXIT_HOOKS = knobs.runtime.launch_exit_hook
+
+
 def _hooks_idle() -> bool:
     """No launch hook would run: Triton 3.6 keeps them in (empty) ``HookChain``s."""
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if enter is _ENTER_HOOKS and exit_ is _EXIT_HOOKS:  # Triton's own chains: their lists say it
+        return not (enter.calls or exit_.calls)
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and (not isinstance(hook, knobs.HookChain) or hook.calls):
             return False
@@ -253,9 +268,16 @@ def launch(kernel, grid: tuple, args: tuple, options: dict, dynamic: tuple = ())
     ``dynamic``: positions in ``args`` of ints that change from call to call (a length that
     grows every decoding step).  A hint only: those ints are classified on every call, the
     others through a memo of their exact values; the key is the same either way."""
+    _launch(kernel, grid, args, options, dynamic)
+
+
+def _launch(kernel, grid, args, options, dynamic):
+    """:func:`launch`; returns what the key of this call holds once it is done: ``(compiled
+    kernel, constexpr tail)`` when later calls of its class may launch directly, ``_FAILED``
+    when they may not, ``None`` when this call does not tell (no key, hooks active, ...)."""
     if INTERPRET or grid.__class__ is not tuple or not isinstance(kernel, JITFunction) or torch.compiler.is_compiling():
         _ordinary(kernel, grid, args, options)
-        return
+        return None
     global _device_functions
     if _device_functions is None:
         driver = triton.runtime.driver.active
@@ -269,12 +291,15 @@ def launch(kernel, grid: tuple, args: tuple, options: dict, dynamic: tuple = ())
         compiled = cache.variants.get(key) if key is not None else None
     except TypeError:  # an unhashable option value: Triton's own key handles it
         _ordinary(kernel, grid, args, options)
-        return
+        return None
+    if key is None:
+        _ordinary(kernel, grid, args, options)
+        return _FAILED  # a type the key does not describe: ordinary launches for this class
     if compiled is None or compiled is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
         returned = _ordinary(kernel, grid, args, options)
-        if compiled is None and key is not None:
-            _remember(cache, key, returned, len(args), options)
-        return
+        if compiled is None:
+            return _remember(cache, key, returned, len(args), options)
+        return compiled if compiled is _FAILED else None
     grid_0, grid_1, grid_2 = (grid + (1, 1))[:3]
     try:
         compiled[0].run(grid_0, grid_1, grid_2, _device_functions[1](device), compiled[0].function,
@@ -284,6 +309,8 @@ def launch(kernel, grid: tuple, args: tuple, options: dict, dynamic: tuple = ())
             raise
         cache.variants[key] = _FAILED
         _ordinary(kernel, grid, args, options)
+        return _FAILED
+    return compiled
 
 
 def _remember(cache, key, returned, n_args, options):
@@ -298,8 +325,9 @@ def _remember(cache, key, returned, n_args, options):
         # constexpr is keyed by value, and 0.0 == -0.0 compile apart), and an asynchronous
         # compile returns a future, not a kernel.
         cache.variants[key] = _FAILED
-        return
-    cache.variants[key] = (returned, tail)
+        return _FAILED
+    entry = cache.variants[key] = (returned, tail)
+    return entry
 
 
 def compiled_variants(kernel) -> list:
@@ -310,6 +338,111 @@ def compiled_variants(kernel) -> list:
     return [v[0] for v in cache.variants.values() if v is not _FAILED]
 
 
+class BoundLaunch:
+    """One kernel launched with one grid, one set of options and the same non-tensor
+    arguments at every call but for the ``dynamic`` ints: see :func:`bind`."""
+
+    __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "statics", "static_values",
+                 "dynamic_of", "tail", "variants", "generation")
+
+    def __init__(self, kernel, grid, options, args, dynamic, tail_from):
+        n = len(args) if tail_from is None else tail_from
+        self.kernel, self.grid, self.options, self.dynamic = kernel, grid, options, tuple(dynamic)
+        self.grid3 = (grid + (1, 1))[:3] if grid.__class__ is tuple else None
+        self.n_head = n
+        self.tail = tuple(args[n:])
+        if any(isinstance(a, torch.Tensor) for a in self.tail) or any(i >= n for i in self.dynamic):
+            raise ValueError("bind: the arguments from tail_from on must hold no tensor and no dynamic position")
+        tensors = [i for i, a in enumerate(args[:n]) if isinstance(a, torch.Tensor) and i not in self.dynamic]
+        self.tensors = _getter(tensors)
+        statics = [i for i in range(n) if i not in tensors and i not in self.dynamic]
+        self.statics = _getter(statics)
+        self.static_values = self.statics(args)
+        # One dynamic position (the usual case) is read directly; several through a getter.
+        self.dynamic_of = self.dynamic[0] if len(self.dynamic) == 1 else _getter(list(self.dynamic))
+        self.variants = {}
+        self.generation = _generation
+
+    def __call__(self, head: tuple) -> None:
+        """``launch(kernel, grid, head + tail, options, dynamic)``: ``head`` holds tensors (any)
+        where the binding call had tensors, the ``dynamic`` values (any), and elsewhere the
+        binding call's very objects; a call that does not is handed to :func:`launch` whole."""
+        kernel = self.kernel
+        args = head + self.tail if self.tail else head
+        if (len(head) != self.n_head or not all(map(is_, self.statics(head), self.static_values)) or INTERPRET
+                or self.grid3 is None or torch.compiler.is_compiling()):
+            launch(kernel, self.grid, args, self.options, self.dynamic)
+            return
+        if self.generation is not _generation:  # clear() was called: forget the variants too
+            self.variants.clear()
+            self.generation = _generation
+        tensors = self.tensors(head)
+        try:
+            # All 16-byte aligned (the usual case) is one class; otherwise each tensor's own.
+            aligned = True if not reduce(or_, map(_data_ptr, tensors), 0) & 15 else \
+                tuple(not p & 15 for p in map(_data_ptr, tensors))
+            dtypes = tuple(map(_dtype, tensors))
+        except (TypeError, AttributeError):  # not a tensor where the binding call had one
+            launch(kernel, self.grid, args, self.options, self.dynamic)
+            return
+        dyn_of = self.dynamic_of
+        if dyn_of.__class__ is int:
+            a = head[dyn_of]
+            dyn = _tuple_class(a) if a.__class__ is tuple else _arg_class(a)
+        elif self.dynamic:
+            dyn = tuple(_tuple_class(a) if a.__class__ is tuple else _arg_class(a) for a in dyn_of(head))
+        else:
+            dyn = None
+        device = _device_functions[0]() if _device_functions is not None else None
+        key = (device, tuple(map(type, tensors)), dtypes, aligned, dyn)
+        entry = self.variants.get(key)
+        if entry is None:
+            # The first call of this class (or a class launch() left undecided): launch() keys
+            # it in full, launches it and says what later calls may do.
+            entry = _launch(kernel, self.grid, args, self.options, self.dynamic)
+            if entry is not None and dyn is not _UNCLASSIFIED and _UNCLASSIFIED not in (dyn or ()):
+                if len(self.variants) >= _MAX_VARIANTS:
+                    self.variants.clear()
+                self.variants[key] = entry
+            return
+        if entry is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
+            _ordinary(kernel, self.grid, args, self.options)
+            return
+        compiled, tail = entry
+        try:
+            compiled.run(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, None,
+                         None, None, *args, *tail)
+        except Exception:
+            if RAISE_DIRECT_ERRORS:
+                raise
+            self.variants[key] = _FAILED
+            _ordinary(kernel, self.grid, args, self.options)
+
+
+def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), tail_from: int | None = None) \
+        -> BoundLaunch:
+    """A launcher of ``kernel`` with this grid and these options: ``bound(args)`` is
+    ``launch(kernel, grid, args, options, dynamic)``, cheaper per call.
+
+    ``args`` is a sample of the runtime arguments.  A later call must pass, at every position
+    holding a tensor in the sample, a tensor (any dtype, address, shape), at the ``dynamic``
+    positions any value, and at every other position the sample's very object (``is``: the
+    caller keeps its ints, floats and flags in one place, such as a launch plan).  Then the
+    compiled variant depends only on the tensors' types, dtypes and alignment, the dynamic
+    arguments' classes and the current device, which are the bound launcher's key; a call
+    that breaks the rule goes through :func:`launch` and its full key, so it is still exact.
+
+    ``tail_from``: the arguments from this position on (no tensor, no dynamic one among them)
+    are the bound launcher's own: a call passes only ``args[:tail_from]``, and nothing of
+    the tail needs checking."""
+    return BoundLaunch(kernel, grid, options, args, dynamic, tail_from)
+
+
+_generation = object()  # replaced by clear(): bound launchers forget their variants
+
+
 def clear() -> None:
     """Forget every cached variant (the next launch of each class is ordinary again)."""
+    global _generation
     _caches.clear()
+    _generation = object()
