@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from flashtile.dropout import counters_per_row, next_seed_offset
+from flashtile.kernels.engine import engine_setting
 from flashtile.ops import attention as _ops
+from flashtile.semantics.params import AttentionParams
 from flashtile.ops.validation import (
     check_attention_inputs,
     check_cu_seqlens,
@@ -57,6 +59,25 @@ def flash_attn_func(
     CUDA tensors run the Triton kernels; CPU tensors run the tiled PyTorch path.  Both
     support autograd (the backward recomputes P from the LSE) and ``torch.compile``.
     """
+    checked = _checked_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                      deterministic, return_lse)
+    params = checked.params
+    if alibi_slopes is not None:
+        params = params.with_alibi(alibi_slopes)
+    if params.dropout_p > 0:
+        params = params.with_rng(*next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1]
+                                                   * counters_per_row(k.shape[1])))
+    if _ops.eager_forward_ok(q, k, v, alibi_slopes):
+        # Nothing records autograd or traces: the launcher directly, without the op's dispatch.
+        out, lse = _ops.eager_forward(q, k, v, params, checked)
+    else:
+        out, lse = _ops.forward(q, k, v, params)
+    return (out, lse) if return_lse else out
+
+
+def _check_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                          return_lse) -> AttentionParams:
+    """Every check of :func:`flash_attn_func`'s arguments; its params (ALiBi slopes included)."""
     params = check_attention_inputs(
         q,
         k,
@@ -71,15 +92,64 @@ def flash_attn_func(
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if params.dropout_p > 0:
-        params = params.with_rng(*next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1]
-                                                   * counters_per_row(k.shape[1])))
-    if _ops.eager_forward_ok(q, k, v, alibi_slopes):
-        # Nothing records autograd or traces: the launcher directly, without the op's dispatch.
-        out, lse = _ops.eager_forward(q, k, v, params)
+    return params
+
+
+# The checks above passed once for a key (below) pass again for every call with that key:
+# they read the tensors' classes, shapes, strides, dtypes and devices and the scalars' types
+# and values, all of which are in it.  So a model calling with a handful of shapes pays them
+# once per shape; a call with a new key (a bad one included) runs them in full, and a
+# failing call caches nothing.  An entry holds the params without the ALiBi slopes (a
+# tensor, attached per call) and, once a plain call has asked for it, the forward's launch
+# plan (``_ops.eager_forward``), which is a function of the key and the engine setting (in
+# the key too).  Bounded: a workload cycling through more keys than this checks again,
+# nothing else.
+_MAX_CHECKED = 256
+_checked: dict = {}
+_Tensor = torch.Tensor
+
+
+class _Checked:
+    """One key's checked params, and the launch plan slot ``_ops.eager_forward`` fills."""
+
+    __slots__ = ("params", "plan", "plans")
+
+    def __init__(self, params: AttentionParams):
+        self.params = params
+        self.plan = self.plans = None
+
+
+def _checked_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            deterministic, return_lse) -> _Checked:
+    """:func:`_check_func_arguments`, memoised by key (see ``_checked``); not while torch.compile
+    traces (the shapes may be symbolic: the checks are traced as they stand).  The params come
+    without ALiBi slopes: the caller attaches ``alibi_slopes``."""
+    args = (q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_lse)
+    if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
+            or window_size.__class__ is not tuple or torch.compiler.is_compiling()):
+        return _Checked(_check_func_arguments(*args))
+    if alibi_slopes is None:
+        alibi = None
+    elif alibi_slopes.__class__ is _Tensor:
+        alibi = (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype, alibi_slopes.device)
     else:
-        out, lse = _ops.forward(q, k, v, params)
-    return (out, lse) if return_lse else out
+        return _Checked(_check_func_arguments(*args))
+    try:
+        # Scalars by value *and* type (True == 1 == 1.0 as dict keys, but the checks tell them
+        # apart), the window's elements too.
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+               v.dtype, v.device, alibi, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+               return_lse, engine_setting(), dropout_p.__class__, softmax_scale.__class__, causal.__class__,
+               softcap.__class__, deterministic.__class__, return_lse.__class__, *map(type, window_size))
+        checked = _checked.get(key)
+    except TypeError:  # an unhashable scalar
+        return _Checked(_check_func_arguments(*args))
+    if checked is None:
+        checked = _Checked(_check_func_arguments(*args).with_alibi(None))
+        if len(_checked) >= _MAX_CHECKED:
+            _checked.clear()
+        _checked[key] = checked
+    return checked
 
 
 def flash_attn_varlen_func(

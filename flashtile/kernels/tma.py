@@ -30,3 +30,27 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
 def descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDescriptor:
     # Shape keeps the *true* head dim: columns past it read as zeros and are never written.
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_pad])
+
+
+class DescriptorTemplate:
+    """A built host descriptor without its tensor, to build the same descriptor over other
+    tensors cheaply (a launch plan makes one per operand and call).
+
+    Valid for a tensor with the template tensor's dtype, shape and strides whose base is
+    16-byte aligned: everything a descriptor's checks read then equals what passed them when
+    the template was built, so :meth:`over` skips them (a few microseconds per descriptor).
+    The caller keeps to that (the plan's key holds dtype, shape and strides; it tests the
+    alignment per call).  The descriptors share the template's shape, stride and block-shape
+    lists, which nothing writes to."""
+
+    __slots__ = ("cls", "fields")
+
+    def __init__(self, desc):
+        self.cls = desc.__class__
+        self.fields = {name: value for name, value in desc.__dict__.items() if name != "base"}
+
+    def over(self, t: torch.Tensor):
+        desc = object.__new__(self.cls)
+        desc.__dict__.update(self.fields)
+        desc.base = t
+        return desc

@@ -78,11 +78,25 @@ def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_sl
                 or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
 
 
-def eager_forward(q, k, v, params: AttentionParams):
-    """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`)."""
-    from flashtile.kernels import attention as triton_attention
+def eager_forward(q, k, v, params: AttentionParams, memo=None):
+    """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`).
 
-    return triton_attention.fwd(q, k, v, params)
+    ``memo``: the caller's memo entry for calls like this one (the public function's checked
+    arguments), with a ``plan`` slot for the forward's launch plan and a ``plans`` slot for the
+    plan cache it came from: every call with the entry's key has the plan's key too (the
+    entry's key holds all the plan's key does), so the plan is looked up once per entry, not
+    per call, and used while that cache is current (``forward.plans``: emptying it makes
+    every kept plan stale)."""
+    from flashtile.kernels.attention import forward
+
+    if memo is not None:
+        if memo.plans is not forward.plans:
+            memo.plan, memo.plans = forward.plan_for(q, k, v, params) or forward.NO_PLAN, forward.plans
+        if memo.plan is not forward.NO_PLAN:
+            result = memo.plan(q, k, v, params)
+            if result is not None:
+                return result
+    return forward.fwd(q, k, v, params)
 
 
 @attention_forward.register_fake
@@ -135,10 +149,14 @@ def _(dout, q, k, v, out, lse, dlse, softmax_scale, window_left, window_right, s
     )
 
 
-def _save_params(ctx, params: AttentionParams):
+def _save_params(ctx, scalars) -> Optional[torch.Tensor]:
+    """Keep an op's scalar arguments (``AttentionParams.op_args`` order) on ``ctx`` as params
+    without the ALiBi slopes, and return the slopes, for the caller to save as a tensor."""
     # The slopes are saved as a tensor (saved-tensor hooks and torch.compile see them), the
     # scalars on ctx; the seed and offset let the backward regenerate the same dropout mask.
-    ctx.params = params.with_alibi(None)
+    scale, left, right, softcap, alibi_slopes, *dropout_and_determinism = scalars
+    ctx.params = AttentionParams(scale, left, right, softcap, None, *dropout_and_determinism)
+    return alibi_slopes
 
 
 def _saved_params(ctx, alibi_slopes) -> AttentionParams:
@@ -147,10 +165,8 @@ def _saved_params(ctx, alibi_slopes) -> AttentionParams:
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *scalars = inputs
-    params = AttentionParams(*scalars)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, params.alibi_slopes)
-    _save_params(ctx, params)
+    ctx.save_for_backward(q, k, v, out, lse, _save_params(ctx, scalars))
 
 
 def _backward(ctx, dout, dlse):
@@ -255,12 +271,10 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, *scalars, block_table = inputs
-    params = AttentionParams(*scalars)
     out, lse = output
     ctx.paged = block_table is not None
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, params.alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, _save_params(ctx, scalars))
     ctx.max_seqlens = (max_q, max_k)
-    _save_params(ctx, params)
 
 
 def _varlen_backward(ctx, dout, dlse):

@@ -24,14 +24,14 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, fast_descriptor, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import forward_engine
+from flashtile.kernels.engine import engine_setting, forward_engine
 from flashtile.kernels.launch import constant as launch_constant
 from flashtile.kernels.launch import launch
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, online_max, score_mod, score_mod_args
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
-from flashtile.kernels.tma import padded_headdim
+from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 from flashtile.semantics.params import AttentionParams
 
 
@@ -251,10 +251,134 @@ def _forward(layout, q, k, v, params: AttentionParams, config):
     return unpad(out_, d), lse
 
 
+# --- Launch plans of the dense forward --------------------------------------------------
+# A model calls the forward with a handful of shapes, each many times.  Everything of a
+# launch but the tensors and the dropout RNG's seed and offset -- the engine, tiles, grid,
+# constexprs, the int and float arguments, the descriptors' shapes, strides and boxes -- is a
+# function of the shapes, strides, dtypes and devices of q, k and v, the call's scalars and
+# the engine setting, so it is worked out once per such key (a plan) and a call allocates its
+# outputs, builds its descriptors from the plan's templates and launches.  What a plan cannot
+# take (a head dim that needs padding, an unaligned stride, an empty tensor, a 16-byte
+# misaligned base in one call) goes the general way, ``_forward``, which decides as before.
+# A caller that keeps a plan beside its own memo (the public function's argument checks) keeps
+# the ``plans`` dict it came from too, and uses the plan only while that is still ``plans``:
+# emptying the cache replaces the dict, so every kept plan goes stale with it.
+_MAX_PLANS = 256
+plans: dict = {}
+NO_PLAN = object()  # a key whose calls go the general way
+_Tensor = torch.Tensor
+
+
+def clear_plans() -> None:
+    """Forget the cached launch plans, kept ones included (after a test changes what a plan was
+    built from)."""
+    global plans
+    plans = {}
+
+
+def _tma_strides(t) -> bool:
+    """``tma_ready`` would pass ``t`` through uncopied, alignment of its base aside."""
+    elt = t.element_size()
+    return t.stride(-1) == 1 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
+
+
+def _dense_plan(q, k, v, params: AttentionParams):
+    """The launch plan of ``fwd(q, k, v, params)``: a function ``(q, k, v, params) -> (out,
+    lse)`` for tensors of these shapes, strides, dtypes and devices (``None`` for a call with a
+    misaligned base), or None when the call needs the general path."""
+    if 0 in q.shape or 0 in k.shape or not (_tma_strides(q) and _tma_strides(k) and _tma_strides(v)):
+        return None
+    softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
+    softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
+    if forward_engine(q, k, dropout, softcap, alibi_slopes) == "gluon":
+        from flashtile.kernels.hopper import attention_fwd
+
+        return attention_fwd.dense_plan(q, k, v, softmax_scale, window_left, window_right)
+    layout = Layout(q, k)
+    d = q.shape[-1]
+    hd = padded_headdim(d)
+    if hd != d:
+        return None  # the output is written padded and copied back: the general path
+    cfg = fwd_config(hd, q.dtype, window_right >= 0)
+    out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
+    out_template = torch.empty(out_shape, dtype=dtype, device=device)
+    lse_template = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    q_desc, k_desc, v_desc, o_desc = (DescriptorTemplate(layout.tiles(t, rows, hd, fast_descriptor)) for t, rows in (
+        (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out_template, cfg.block_m)))
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse_template)
+    has_alibi, alibi_contiguous = alibi_slopes is not None, alibi_slopes is None or alibi_slopes.is_contiguous()
+    has_dropout = dropout is not None
+    grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
+    paged_kv, stride_ab = _unpaged_args(device), mods["stride_ab"]
+    mid = (*layout.lse_strides, layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads,
+           layout.nheads // layout.nheads_k, softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"],
+           mods["softcap_log2"])
+    rng_cols = layout.rng_cols
+    options = dict(
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+        HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=has_alibi, HAS_DROPOUT=has_dropout,
+        VARLEN=False, DOT_PRECISION=dot_precision(dtype), PAGED=False, PAGE_SIZE=1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    q_over, k_over, v_over, o_over = q_desc.over, k_desc.over, v_desc.over, o_desc.over
+
+    def run(q, k, v, params: AttentionParams):
+        # The key fixed everything but the bases; TMA needs them 16-byte aligned.
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            return None
+        # Sizes as separate ints: torch parses them faster than a tuple.
+        out = torch.empty(*out_shape, dtype=dtype, device=device)
+        lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
+        alibi = lse
+        if has_alibi:
+            alibi = params.alibi_slopes if alibi_contiguous else params.alibi_slopes.contiguous()
+        if has_dropout:
+            rng = (float(params.dropout_p), int(params.seed), int(params.offset), rng_cols)
+        else:
+            rng = (0.0, 0, 0, rng_cols)
+        launch(_attn_fwd, grid, (q_over(q), k_over(k), v_over(v), paged_kv, 0, o_over(out), out, lse, alibi, stride_ab,
+                                 lse, lse) + mid + rng, options, dynamic=_FWD_DYNAMIC)
+        return out, lse
+
+    return run
+
+
+def plan_for(q, k, v, params: AttentionParams):
+    """The cached plan of this call's key (see ``_MAX_PLANS``), or None: the general path."""
+    if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
+            or torch.compiler.is_compiling()):
+        return None
+    alibi = params.alibi_slopes
+    if alibi is not None:
+        if alibi.__class__ is not _Tensor:
+            return None
+        alibi = (alibi.shape, alibi.stride(), alibi.dtype, alibi.device)
+    scale, left, right, softcap = params.softmax_scale, params.window_left, params.window_right, params.softcap
+    # The scalars by value and type (True == 1 == 1.0 as dict keys, not as launch arguments).
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+           v.dtype, v.device, scale, left, right, softcap, params.dropout_p > 0, alibi, scale.__class__,
+           left.__class__, right.__class__, softcap.__class__, engine_setting())
+    plan = plans.get(key)
+    if plan is None:
+        plan = _dense_plan(q, k, v, params) or NO_PLAN
+        if len(plans) >= _MAX_PLANS:
+            clear_plans()
+        plans[key] = plan
+    return None if plan is NO_PLAN else plan
+
+
 def fwd(q, k, v, params: AttentionParams, config=None):
     """Forward. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out like q, lse ``(b, h, nq)`` fp32).
 
-    ``config``: a ``TileConfig`` that replaces :func:`fwd_config`'s (and keeps the ``tl.*`` engine)."""
+    ``config``: a ``TileConfig`` that replaces :func:`fwd_config`'s (and keeps the ``tl.*`` engine).
+    Without one, the launch comes from the plan of the call's key where there is one."""
+    if config is None:
+        plan = plan_for(q, k, v, params)
+        if plan is not None:
+            result = plan(q, k, v, params)
+            if result is not None:
+                return result
     return _forward(Layout(q, k), q, k, v, params, config)
 
 

@@ -51,7 +51,7 @@ from flashtile.kernels.launch import launch
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, sm_count
 from flashtile.kernels.tile_info import dealt_tile, sequence_bounds
-from flashtile.kernels.tma import padded_headdim
+from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -467,3 +467,45 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         num_warps=4, maxnreg=cfg.maxnreg,
     ))
     return out, lse
+
+
+def dense_plan(q, k, v, softmax_scale, window_left, window_right):
+    """The launch plan of :func:`forward` for dense inputs with these shapes, strides, dtypes and
+    device (what ``flashtile.kernels.attention.forward`` keys its plans by; TMA-ready strides,
+    no empty tensor): a function ``(q, k, v, params) -> (out, lse)``, ``None`` for a call whose
+    bases are not 16-byte aligned (the general path takes it).  Per call it allocates the
+    outputs, builds the three descriptors from templates (``DescriptorTemplate``) and launches;
+    the grid, the arguments and the constexprs are the ones :func:`forward` computes."""
+    from flashtile.kernels.attention.layout import Layout
+
+    layout = Layout(q, k)
+    d = q.shape[-1]
+    hd = padded_headdim(d)
+    cfg = config_for(hd)
+    out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
+    templates = tuple(DescriptorTemplate(layout.tiles(t, rows, hd, descriptor))
+                      for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)))
+    out_strides = torch.empty(out_shape, dtype=dtype, device=device).stride()
+    num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
+    grid = (min(num_items, sm_count(device.index)) if cfg.persistent else num_items,)
+    tail = (*out_strides[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads,
+            layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E, window_left, window_right, num_items)
+    options = dict(
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=False, PINGPONG=cfg.pingpong,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    q_over, k_over, v_over = (t.over for t in templates)
+
+    def run(q, k, v, params):
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            return None
+        # Sizes as separate ints: torch parses them faster than a tuple.
+        out = torch.empty(*out_shape, dtype=dtype, device=device)
+        lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
+        # cu_seqlens and descales: placeholders the dense 16-bit kernel does not read.
+        launch(attention_fwd_kernel, grid, (q_over(q), k_over(k), v_over(v), out, lse, lse, lse, lse) + tail, options)
+        return out, lse
+
+    return run

@@ -1,0 +1,304 @@
+"""flash_attn_func's host path: its memoised argument checks and the forward's launch plans.
+
+The checks are memoised by a key of the tensors' metadata and the scalars' values and types
+(``flashtile.interface._checked``); the dense forward launches from a plan per key
+(``flashtile.kernels.attention.forward.plans``).  These tests hold both to the general path:
+every bad argument still raises after a good call with the same tensors, and a planned
+launch passes the kernel exactly what the general launcher passes (in the interpreter: the
+same numbers; on a stubbed GPU: the same arguments, constexprs and grid, for both engines).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import interface
+from flashtile.kernels.runtime import INTERPRET
+from flashtile.semantics.params import AttentionParams
+
+
+def _qkv(shape_q=(2, 40, 4, 32), shape_k=(2, 50, 2, 32), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape_q, generator=g).to(dtype)
+    k, v = (torch.randn(shape_k, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+# --------------------------------------------------------------------------------------
+# The memoised checks (any device: they run before the backend is chosen)
+# --------------------------------------------------------------------------------------
+
+
+def test_checks_run_once_per_key_and_a_failing_call_caches_nothing():
+    q, k, v = _qkv()
+    before = len(interface._checked)
+    for _ in range(3):
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    assert len(interface._checked) == before + 1
+    with pytest.raises(ValueError, match="softcap"):
+        flashtile.flash_attn_func(q, k, v, causal=True, softcap=-1.0)
+    assert len(interface._checked) == before + 1
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(window_size=(True, -1)), TypeError, "window_size left"),
+    (dict(window_size=[-1, -1, -1]), ValueError, "window_size"),
+    (dict(softmax_scale=True), TypeError, "softmax_scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(deterministic=0), TypeError, "deterministic"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+    (dict(dropout_p=1), ValueError, "dropout_p"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softmax_scale=[0.5]), TypeError, "softmax_scale"),
+])
+def test_bad_arguments_raise_after_a_good_call_with_the_same_tensors(bad, error, match):
+    q, k, v = _qkv()
+    good = dict(window_size=(1, -1), softmax_scale=1.0, causal=True, deterministic=False, return_lse=True,
+                dropout_p=0.0, softcap=0.0)
+    flashtile.flash_attn_func(q, k, v, **good)
+    flashtile.flash_attn_func(q, k, v, **good)  # now memoised
+    with pytest.raises(error, match=match):
+        flashtile.flash_attn_func(q, k, v, **(good | bad))
+
+
+def test_tensor_metadata_is_checked_after_a_good_call():
+    q, k, v = _qkv()
+    flashtile.flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match="same batch size"):
+        flashtile.flash_attn_func(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="share one dtype"):
+        flashtile.flash_attn_func(q, k.double(), v)
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        flashtile.flash_attn_func(q, k.transpose(1, 3).contiguous().transpose(1, 3), v)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        flashtile.flash_attn_func(q.tolist(), k, v)
+
+
+def test_alibi_slopes_are_each_calls_own():
+    q, k, v = _qkv()
+    a, b = torch.full((4,), 0.1), torch.full((4,), 0.7)
+    out_a = flashtile.flash_attn_func(q, k, v, alibi_slopes=a)
+    out_b = flashtile.flash_attn_func(q, k, v, alibi_slopes=b)  # same key, other slopes
+    torch.testing.assert_close(out_b, flashtile.flash_attn_func(q, k, v, alibi_slopes=b.clone()))
+    assert not torch.equal(out_a, out_b)
+    with pytest.raises(ValueError, match="alibi_slopes must be torch.float32"):
+        flashtile.flash_attn_func(q, k, v, alibi_slopes=b.double())
+
+
+def test_memoised_checks_keep_autograd():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    for _ in range(2):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_the_engine_setting_is_in_the_key(monkeypatch):
+    q, k, v = _qkv()
+    flashtile.flash_attn_func(q, k, v)
+    before = len(interface._checked)
+    monkeypatch.setenv("FLASHTILE_ENGINE", "triton")
+    flashtile.flash_attn_func(q, k, v)
+    assert len(interface._checked) == before + 1
+
+
+# --------------------------------------------------------------------------------------
+# The forward's launch plans in Triton's interpreter: the same numbers as the general path
+# --------------------------------------------------------------------------------------
+
+needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the tl.* kernels on CPU tensors in the interpreter")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", ["plain", "causal", "window", "gqa", "softcap", "alibi", "alibi2d_strided",
+                                  "dropout", "fp16", "strided"])
+def test_planned_forward_equals_the_general_path(case):
+    from flashtile.kernels.attention import forward
+    from flashtile.kernels.attention.layout import Layout
+
+    q, k, v = _qkv(dtype=torch.float16 if case == "fp16" else torch.float32)
+    params = AttentionParams(0.3)
+    if case == "causal":
+        params = AttentionParams.causal(0.3)
+    elif case == "window":
+        params = AttentionParams(0.3, window_left=7, window_right=3)
+    elif case == "gqa":
+        k, v = k[:, :, :1], v[:, :, :1]
+    elif case == "softcap":
+        params = AttentionParams(0.3, softcap=2.0)
+    elif case == "alibi":
+        params = AttentionParams(0.3, alibi_slopes=torch.rand(4) * 0.3)
+    elif case == "alibi2d_strided":
+        params = AttentionParams(0.3, alibi_slopes=(torch.rand(4, 2) * 0.3).t())
+    elif case == "dropout":
+        params = AttentionParams(0.3, dropout_p=0.25, seed=11, offset=5)
+    elif case == "strided":
+        q = torch.randn(2, 40, 8, 32)[:, :, ::2]  # strided heads: TMA-ready as it is
+    forward.clear_plans()
+    got = forward.fwd(q, k, v, params)
+    assert len(forward.plans) == 1 and next(iter(forward.plans.values())) is not forward.NO_PLAN
+    want = forward._forward(Layout(q, k), q, k, v, params, None)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    if case == "dropout":  # the seed is each call's own
+        other = AttentionParams(0.3, dropout_p=0.25, seed=12, offset=5)
+        assert torch.equal(forward.fwd(q, k, v, other)[0], forward._forward(Layout(q, k), q, k, v, other, None)[0])
+        assert len(forward.plans) == 1
+
+
+@needs_interpreter
+def test_calls_a_plan_cannot_take_go_the_general_way():
+    from flashtile.kernels.attention import forward
+
+    q, k, v = _qkv(shape_q=(1, 20, 2, 40), shape_k=(1, 20, 2, 40))  # head dim 40: padded to 64
+    forward.clear_plans()
+    out, _ = forward.fwd(q, k, v, AttentionParams(0.3))
+    assert list(forward.plans.values()) == [forward.NO_PLAN]
+    torch.testing.assert_close(out, flashtile.flash_attn_func(q, k, v, softmax_scale=0.3))
+    # A base off the 16-byte grid in one call: that call goes the general way (a padded copy).
+    q, k, v = _qkv()
+    params = AttentionParams(0.3)
+    forward.fwd(q, k, v, params)
+    buf = torch.empty(q.numel() + 1)
+    shifted = buf[1:].view(q.shape).copy_(q)
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    torch.testing.assert_close(forward.fwd(shifted, k, v, params)[0], forward.fwd(q, k, v, params)[0],
+                               rtol=0, atol=0)
+
+
+@needs_interpreter
+def test_kept_plans_go_stale_with_the_cache(monkeypatch):
+    from flashtile.kernels.attention import forward
+    from flashtile.ops import attention as ops
+
+    q, k, v = _qkv()
+    params = AttentionParams(0.3)
+    memo = interface._Checked(params)
+    ops.eager_forward(q, k, v, params, memo)
+    kept = memo.plan
+    assert kept is not forward.NO_PLAN and memo.plans is forward.plans
+    forward.clear_plans()
+    ops.eager_forward(q, k, v, params, memo)
+    assert memo.plans is forward.plans and memo.plan is not kept
+
+
+# --------------------------------------------------------------------------------------
+# On a stubbed GPU (benchmarks/profile_host_cpu.py): the plans launch what the general path
+# launches, for both engines
+# --------------------------------------------------------------------------------------
+
+in_child = pytest.mark.skipif(INTERPRET, reason="run by test_stubbed_gpu_without_the_interpreter")
+
+
+def test_stubbed_gpu_without_the_interpreter():
+    if not INTERPRET:
+        pytest.skip("the tests below run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "stubbed and not without_the_interpreter"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1] and "failed" not in done.stdout.splitlines()[-1]
+
+
+def _describe(arg, inputs):
+    """A launch argument as the kernel sees it: a tensor by dtype, shape, strides and which input
+    it is (``inputs``: address -> name; outputs are fresh at every call), a descriptor by its
+    fields and tensor, anything else by value and type."""
+    if isinstance(arg, torch.Tensor):
+        return ("tensor", arg.dtype, tuple(arg.shape), arg.stride(), inputs.get(arg.data_ptr(), "fresh"))
+    if hasattr(arg, "block_shape"):
+        fields = {name: value for name, value in vars(arg).items() if name != "base"}
+        return (type(arg), _describe(arg.base, inputs), repr(fields))
+    if isinstance(arg, tuple):
+        return tuple(_describe(a, inputs) for a in arg)
+    return (type(arg), arg)
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import profile_host_cpu
+
+    from flashtile.kernels.attention import forward
+    from flashtile.kernels.hopper import attention_fwd
+
+    launches, inputs = [], {}
+
+    def recording(kernel, grid, args, options, dynamic=()):
+        launches.append((kernel.fn.__name__, grid, _describe(args, inputs), sorted(options.items()), dynamic))
+
+    monkeypatch.setattr(forward, "launch", recording)
+    monkeypatch.setattr(attention_fwd, "launch", recording)
+    forward.clear_plans()
+    with profile_host_cpu.stubbed_gpu():
+        yield launches, inputs
+    forward.clear_plans()
+    interface._checked.clear()
+
+
+_STUB_PARAMS = {
+    "full": AttentionParams(0.125),
+    "causal": AttentionParams.causal(0.125),
+    "window": AttentionParams(0.125, window_left=70, window_right=3),
+    "softcap": AttentionParams(0.125, softcap=5.0),
+    "alibi": AttentionParams(0.125, alibi_slopes=torch.rand(2, 4).t().contiguous().t()),
+    "dropout": AttentionParams(0.125, dropout_p=0.1, seed=3, offset=1 << 40),
+}
+
+
+@in_child
+@pytest.mark.parametrize("engine", ["auto", "triton"])
+@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True), (256, True)])
+@pytest.mark.parametrize("case", list(_STUB_PARAMS))
+def test_stubbed_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, engine, d, gqa, case):
+    from flashtile.kernels.attention import forward
+    from flashtile.kernels.attention.layout import Layout
+
+    launches, inputs = stubbed
+    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
+    q, k, v = _qkv((2, 130, 4, d), (2, 300, 2 if gqa else 4, d), dtype=torch.bfloat16)
+    params = _STUB_PARAMS[case]
+    inputs.update({q.data_ptr(): "q", k.data_ptr(): "k", v.data_ptr(): "v"})
+    if params.alibi_slopes is not None:
+        inputs[params.alibi_slopes.data_ptr()] = "alibi"
+    forward.fwd(q, k, v, params)  # builds the plan, launches from it
+    forward.fwd(q, k, v, params)
+    forward._forward(Layout(q, k), q, k, v, params, None)
+    assert len(forward.plans) == 1 and next(iter(forward.plans.values())) is not forward.NO_PLAN
+    planned, again, general = launches
+    assert planned == again == general
+    gluon = engine == "auto" and d > 64 and case in ("full", "causal", "window")
+    assert (planned[0] == "attention_fwd_kernel") == gluon
+
+
+@in_child
+def test_stubbed_tiny_forward_takes_the_plan_through_the_public_function(stubbed):
+    from flashtile.kernels.attention import forward
+    from flashtile.ops import attention as ops
+
+    q, k, v = _qkv((1, 128, 8, 64), (1, 128, 8, 64), dtype=torch.bfloat16)
+    calls = []
+    real = ops.eager_forward
+
+    def counting(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    ops.eager_forward = counting
+    try:
+        for _ in range(3):
+            flashtile.flash_attn_func(q, k, v)
+    finally:
+        ops.eager_forward = real
+    launches, _ = stubbed
+    assert len(launches) == 3 and len(set(map(repr, launches))) == 1
+    memo = calls[0]
+    assert all(m is memo for m in calls) and memo.plans is forward.plans and memo.plan is not forward.NO_PLAN
