@@ -180,3 +180,35 @@ def test_append_kernel_rotation_writes_what_the_rotary_kernel_writes(interleaved
         torch.testing.assert_close(k_cache.nan_to_num(), want_k.nan_to_num(), rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
+
+
+@_needs_kernels
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "inter{}-frac{}-causal{}-w{}-new{}-paged{}".format(*c))
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_fused_step_matches_the_cpu_path(case, splits, leftpad):
+    """The GPU step (one split-kernel launch: append, rotary of q and the new k, attention)
+    against the CPU path (apply_rotary_emb, scatter, attention) on the same arguments."""
+    from flashtile import kvcache
+
+    interleaved, fraction, causal, window, seqlen_new, paged = case
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    c = _case(device, torch.float32, 16, fraction, 2, seqlen_new, paged)
+    seqlens = torch.tensor(SEQLENS, dtype=torch.int32, device=device)
+    pad = torch.tensor([2, 0], dtype=torch.int32, device=device) if leftpad else None
+    kc_ref, vc_ref = c["k_store"].cpu().clone(), c["v_store"].cpu().clone()
+    want = flashtile.flash_attn_with_kvcache(
+        c["q"].cpu(), kc_ref, vc_ref, k=None if c["k_new"] is None else c["k_new"].cpu(),
+        v=None if c["v_new"] is None else c["v_new"].cpu(), cache_seqlens=seqlens.cpu(),
+        block_table=None if c["table"] is None else c["table"].cpu(), causal=causal, window_size=window,
+        rotary_cos=c["cos"].cpu(), rotary_sin=c["sin"].cpu(), rotary_interleaved=interleaved,
+        cache_leftpad=None if pad is None else pad.cpu(), return_lse=True)
+    left, right = (window[0], 0) if causal else window
+    local = left >= 0 or right >= 0
+    out, lse = kvcache._step_triton(c["q"], c["k_store"], c["v_store"], c["k_new"], c["v_new"], seqlens, None,
+                                    c["table"], 16 ** -0.5, left, right, 0.0, None, splits, leftpad=pad,
+                                    rotary=(c["cos"], c["sin"], interleaved, local))
+    torch.testing.assert_close(c["k_store"].cpu(), kc_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(c["v_store"].cpu(), vc_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu(), want[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), want[1], atol=2e-5, rtol=1e-4)

@@ -209,7 +209,7 @@ def _decode_split(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, DIRECT: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NEW: tl.constexpr,
 ):
     """One (sequence, KV head, split): the split's keys against every query row of the head's
     GQA group.  With ``DIRECT`` (one split) the program writes ``OUT`` / ``LSE`` itself;
@@ -278,7 +278,7 @@ def _decode_split(
             all_ok = _append_valid(SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, stride_bt, 1, tl.num_programs(0) // nheads_k,
                                    seqlen_new, capacity, cache_rows, seqlen_k_all, BLOCK_B, BLOCK_P, PAGED, PAGE_SIZE,
                                    HAS_BATCH_IDX, HAS_SEQLENS)
-            for t0 in range(0, seqlen_new, BLOCK_T):
+            for t0 in tl.range(0, seqlen_new, BLOCK_T, num_stages=1):
                 t = t0 + tl.arange(0, BLOCK_T)
                 t_ok = (t < seqlen_new) & all_ok
                 pos = tl.where(t_ok, t.to(tl.int64) + old_len, 0)
@@ -287,10 +287,10 @@ def _decode_split(
                 k_rows = K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + hk * stride_knh
                 kn = tl.load(k_rows + offs_d[None, :], mask=mask, other=0.0)
                 if ROTARY:
-                    partner, cos, sin, angle_ok = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d, stride_cos_p,
-                                                                 stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro,
-                                                                 half_rotary, INTERLEAVED)
-                    kn = _rotate_rows(kn, k_rows, partner, cos, sin, angle_ok, mask)
+                    w_partner, w_cos, w_sin, w_turn = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d,
+                                                                     stride_cos_p, stride_cos_k, stride_sin_p,
+                                                                     stride_sin_k, seqlen_ro, half_rotary, INTERLEAVED)
+                    kn = _rotate_rows(kn, k_rows, w_partner, w_cos, w_sin, w_turn, mask)
                 vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + hk * stride_vnh
                              + offs_d[None, :], mask=mask, other=0.0)
                 tl.store(K + (idx * stride_kb + row * stride_kn)[:, None] + hk * stride_kh + offs_d[None, :],
@@ -318,9 +318,9 @@ def _decode_split(
             q_pos = rot_base + i
         else:
             q_pos = rot_base + tl.zeros_like(i).to(tl.int64)
-        partner, cos, sin, angle_ok = _rotary_tables(COS, SIN, q_pos, row_ok, offs_d, stride_cos_p, stride_cos_k,
-                                                     stride_sin_p, stride_sin_k, seqlen_ro, half_rotary, INTERLEAVED)
-        q = _rotate_rows(q, q_rows, partner, cos, sin, angle_ok, q_mask)
+        q_partner, q_cos, q_sin, q_turn = _rotary_tables(COS, SIN, q_pos, row_ok, offs_d, stride_cos_p, stride_cos_k,
+                                                         stride_sin_p, stride_sin_k, seqlen_ro, half_rotary, INTERLEAVED)
+        q = _rotate_rows(q, q_rows, q_partner, q_cos, q_sin, q_turn, q_mask)
     if HAS_ALIBI:
         slope_log2 = tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0)[:, None] * 1.4426950408889634
     else:
@@ -359,18 +359,20 @@ def _decode_split(
     if APPEND:
         # This split's new keys, from K_NEW / V_NEW: the same tile step on keys that would be
         # loaded from the rows being written.
-        for n0 in range(tl.maximum(start, new_lo), end, BLOCK_N):
-            keys = n0 + tl.arange(0, BLOCK_N)
+        # Tiles of BLOCK_NEW keys (the new keys are few), not software-pipelined: this loop
+        # runs once or twice per program and must not add pipeline buffers to the main loop's.
+        for n0 in tl.range(tl.maximum(start, new_lo), end, BLOCK_NEW, num_stages=1):
+            keys = n0 + tl.arange(0, BLOCK_NEW)
             t = keys - new_lo
             t_ok = (keys < end) & (t >= 0) & (t < seqlen_new)
             kv_mask = t_ok[:, None] & d_ok[None, :]
             k_rows = K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + hk * stride_knh
             k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0)
             if ROTARY:
-                partner, cos, sin, angle_ok = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d, stride_cos_p,
-                                                             stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro,
-                                                             half_rotary, INTERLEAVED)
-                k = _rotate_rows(k, k_rows, partner, cos, sin, angle_ok, kv_mask)
+                n_partner, n_cos, n_sin, n_turn = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d, stride_cos_p,
+                                                                 stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro,
+                                                                 half_rotary, INTERLEAVED)
+                k = _rotate_rows(k, k_rows, n_partner, n_cos, n_sin, n_turn, kv_mask)
             k = k.to(K.dtype.element_ty)  # what the cache holds
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if HAS_SOFTCAP or HAS_ALIBI:
@@ -733,6 +735,7 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
         BLOCK_B=max(2, next_power_of_2(batch)) if new is not None else 1,
         BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)) if new is not None else 1,
         BLOCK_T=block_t if new is not None else 1,
+        BLOCK_NEW=min(block_n, max(16, block_t)) if new is not None else 16,
         num_warps=4 if INTERPRET else knob["warps"], num_stages=cfg.stages,
     )
     plan.combine_grid = (batch * seqlen_q * nheads,)
