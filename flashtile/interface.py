@@ -136,13 +136,15 @@ def _checked_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_si
         return _Checked(_check_func_arguments(*args))
     try:
         # Scalars by value *and* type (True == 1 == 1.0 as dict keys, but the checks tell them
-        # apart), the window's elements too.
+        # apart), the window's first two elements too (a longer window fails its check, so no
+        # key holding one is ever stored).
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
                v.dtype, v.device, alibi, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                return_lse, engine_setting(), dropout_p.__class__, softmax_scale.__class__, causal.__class__,
-               softcap.__class__, deterministic.__class__, return_lse.__class__, *map(type, window_size))
+               softcap.__class__, deterministic.__class__, return_lse.__class__, window_size[0].__class__,
+               window_size[1].__class__)
         checked = _checked.get(key)
-    except TypeError:  # an unhashable scalar
+    except (TypeError, IndexError):  # an unhashable scalar, a window of fewer than two values
         return _Checked(_check_func_arguments(*args))
     if checked is None:
         checked = _Checked(_check_func_arguments(*args).with_alibi(None))

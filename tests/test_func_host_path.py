@@ -50,6 +50,8 @@ def test_checks_run_once_per_key_and_a_failing_call_caches_nothing():
 @pytest.mark.parametrize("bad, error, match", [
     (dict(window_size=(True, -1)), TypeError, "window_size left"),
     (dict(window_size=[-1, -1, -1]), ValueError, "window_size"),
+    (dict(window_size=(-1,)), ValueError, "window_size"),
+    (dict(window_size=(1, -1, 5)), ValueError, "window_size"),
     (dict(softmax_scale=True), TypeError, "softmax_scale"),
     (dict(causal=1), TypeError, "causal"),
     (dict(deterministic=0), TypeError, "deterministic"),

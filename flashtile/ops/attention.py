@@ -78,6 +78,17 @@ def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_sl
                 or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
 
 
+_kernels_forward = None  # flashtile.kernels.attention.forward, imported by the first GPU call (it imports Triton)
+
+
+def _import_kernels_forward():
+    global _kernels_forward
+    from flashtile.kernels.attention import forward
+
+    _kernels_forward = forward
+    return forward
+
+
 def eager_forward(q, k, v, params: AttentionParams, memo=None):
     """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`).
 
@@ -87,8 +98,7 @@ def eager_forward(q, k, v, params: AttentionParams, memo=None):
     entry's key holds all the plan's key does), so the plan is looked up once per entry, not
     per call, and used while that cache is current (``forward.plans``: emptying it makes
     every kept plan stale)."""
-    from flashtile.kernels.attention import forward
-
+    forward = _kernels_forward or _import_kernels_forward()
     if memo is not None:
         if memo.plans is not forward.plans:
             memo.plan, memo.plans = forward.plan_for(q, k, v, params) or forward.NO_PLAN, forward.plans
