@@ -332,7 +332,7 @@ def test_gpu_direct_decode_is_bitwise_the_ordinary_launch(page_size, num_splits,
         results.append((out, lse, k_cache, v_cache))
         if call == 0:
             after_first = strict_direct["ordinary"]
-            assert after_first >= 2  # the append and the split kernel (and the combine, if any)
+            assert after_first >= 1  # the split kernel, the append fused in (and the combine, if any)
     torch.cuda.synchronize()
     assert strict_direct["ordinary"] == after_first
     monkeypatch.setattr(launch_mod, "INTERPRET", True)  # every launch the ordinary way
