@@ -33,9 +33,12 @@ for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
         os.environ["FLASHTILE_ENGINE"] = "gluon"
         import flashtile
 
-        q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        grads = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v), torch.randn_like(q))
+        q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        # The ops called on this thread, not through autograd: the backward pass runs on autograd's
+        # own thread, where the allocator set above (a context variable) is not visible.
+        params = (d ** -0.5, -1, 0 if causal else -1, 0.0, None, 0.0, 0, 0, False)
+        out, lse = torch.ops.flashtile.attention_forward(q, k, v, *params)
+        grads = torch.ops.flashtile.attention_backward(torch.randn_like(q), q, k, v, out, lse, None, *params)
         torch.cuda.synchronize()
         print(f"consan backward d={d} n={n} heads={heads} causal={causal}: ok, "
               f"finite={all(bool(g.isfinite().all()) for g in grads)}", flush=True)
