@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 
-from flashtile.bench.common import OtherCpuLoad, cpu_peak_memory_method, environment, format_bytes, write_jsonl
+from flashtile.bench.common import (OtherCpuLoad, cpu_peak_memory_method, environment, format_bytes, read_jsonl,
+                                    save_figure, subplots, write_jsonl)
 from flashtile.bench.cpu import ISOLATED_ENV, memory_isolated
 
 HERE = Path(__file__).resolve().parent
@@ -57,7 +58,11 @@ def main(argv=None) -> int:
     parser.add_argument("--naive-max", type=int, default=8192, help="largest N at which naive is run for real")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--no-sdpa", action="store_true", help="measure flashtile (and naive) only")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --out from its records")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        plot(read_jsonl(args.out), args.out.with_suffix(".png"))
+        return 0
 
     env = environment("cpu")
     method = cpu_peak_memory_method() + ", fresh process per case, " + " ".join(f"{k}={v}" for k, v in ISOLATED_ENV.items())
@@ -148,7 +153,35 @@ def main(argv=None) -> int:
     if skipped:
         print(f"forward+backward not run for N = {skipped} (--bwd-max {args.bwd_max})")
     print(f"total {time.perf_counter() - t_start:.0f} s; {len(records)} records appended to {args.out}")
+    try:
+        plot(read_jsonl(args.out), args.out.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no plot")
     return 0
+
+
+def plot(records, path):
+    """Peak extra memory against N (log-log), forward and forward+backward, beside the 4 * N^2
+    bytes of naive attention's score matrix."""
+    fig, axes = subplots(1, 2, figsize=(11, 4), sharey=True)
+    colors = {impl: f"C{i}" for i, impl in enumerate(dict.fromkeys(r["impl"] for r in records))}
+    for ax, mode in zip(axes, ("fwd", "fwd_bwd")):
+        for impl, color in colors.items():
+            rows = sorted((r["seqlen_q"], r["peak_extra_bytes"]) for r in records
+                          if r["impl"] == impl and r["mode"] == mode)
+            if rows:
+                ax.plot([n for n, _ in rows], [b / 2**20 for _, b in rows], "o-", color=color, label=impl)
+        ns = sorted({r["seqlen_q"] for r in records})
+        ax.plot(ns, [4 * n * n / 2**20 for n in ns], "k--", label="4 N^2 (naive S, computed)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N")
+        ax.set_title(mode)
+    axes[0].set_ylabel("peak extra memory (MiB)")
+    axes[0].legend()
+    r0 = records[0]
+    fig.suptitle(f"CPU path memory: batch 1, 1 head, d = {r0['headdim']}, float32, {r0['device']}", fontsize=9)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,30 @@ def granularity_study(seeds=10, seqlen=1024, nheads=2, headdim=128):
     return records
 
 
+def plot(records, path):
+    """RMSE and mean error against the float64 reference, per input kind and implementation
+    (log scale: the kinds' errors span orders of magnitude)."""
+    from flashtile.bench.common import save_figure, subplots
+
+    kinds = list(dict.fromkeys(r["data"] for r in records))
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(impls)
+    for ax, field, title in ((axes[0], "rmse", "RMSE vs float64"), (axes[1], "mean_err", "|mean error| vs float64")):
+        for i, impl in enumerate(impls):
+            by_kind = {r["data"]: abs(r[field]) for r in records if r["impl"] == impl}
+            ax.bar([j + i * width for j in range(len(kinds))], [by_kind.get(k, 0.0) for k in kinds], width,
+                   label=impl)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
+        ax.set_yscale("log")
+        ax.set_title(title)
+    axes[0].legend()
+    r0 = records[0]
+    fig.suptitle(f"FP8 attention accuracy: batch {r0['batch']}, {r0['nheads']} heads, N = {r0['seqlen']}, "
+                 f"d = {r0['headdim']}, {r0['device']}", fontsize=9)
+    save_figure(fig, path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results", help="directory for fp8_accuracy.jsonl")
@@ -200,8 +224,13 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--data", nargs="+", default=list(DATA), choices=DATA)
     ap.add_argument("--granularity-study", action="store_true", help="CPU emulation: per-head vs per-block scales")
+    ap.add_argument("--plot-only", action="store_true", help="redraw fp8_accuracy.png from the jsonl in --out")
     args = ap.parse_args()
-    from flashtile.bench.common import environment, write_jsonl
+    from flashtile.bench.common import environment, read_jsonl, write_jsonl
+
+    if args.plot_only:
+        plot(read_jsonl(Path(args.out) / "fp8_accuracy.jsonl"), Path(args.out) / "fp8_accuracy.png")
+        return
 
     if args.granularity_study:
         env = environment("cpu")
@@ -212,6 +241,10 @@ def main():
             sys.exit("fp8_accuracy.py runs the FP8 kernel on a CUDA GPU (--granularity-study runs on a CPU)")
         records = run_gpu(args.data, args.batch, args.seqlen, args.nheads, args.headdim, args.causal)
         path = write_jsonl(Path(args.out) / "fp8_accuracy.jsonl", records)
+        try:
+            plot(read_jsonl(path), Path(args.out) / "fp8_accuracy.png")
+        except ImportError:
+            print("matplotlib not installed: no plot")
     print(f"{len(records)} records appended to {path}")
 
 
