@@ -5,7 +5,7 @@ Triton compiles for an explicit target on any machine, and its wheel carries ``p
 tensor-core rate -- can be read here, before spending device time.  Example::
 
     python benchmarks/kernel_report.py dkdv --tiles 64,128,8,2 32,128,8,2 --headdim 128 --causal 0 1
-    python benchmarks/kernel_report.py decode --tiles 16,128,4,3 --causal 0 --paged-cache 0 1
+    python benchmarks/kernel_report.py decode --tiles 16,128,4,3 --causal 0 --paged-cache 0 1 --append 0 1
 
 prints, per configuration, ptxas's register count and spill bytes and the number of
 ``HGMMA`` (wgmma) and local-memory (``LDL``/``STL``) instructions in the SASS
@@ -38,7 +38,7 @@ def _desc(rows: int, hd: int, dtype: str) -> str:
 
 def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int, causal: bool,
                    paged_cache: bool = False, dtype: str = "bf16", softcap: bool = False, alibi: bool = False,
-                   dropout: bool = False):
+                   dropout: bool = False, append: bool = False, rotary: bool = False, direct: bool = False):
     masks = {"HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
              "DOT_PRECISION": "tf32", "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "VARLEN": VARLEN,
              "HAS_DROPOUT": dropout}
@@ -66,21 +66,14 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
                "max_seqlen_q": "i32"}
         consts = masks
     elif kind == "decode":
-        from flashtile.kernels import decode as kd
-        fn = kd._decode_split
-        ints = ("stride_ab stride_qb stride_qn stride_qh stride_kb stride_kn stride_kh stride_vb stride_vn stride_vh "
-                "stride_bt stride_ob stride_on stride_oh seqlen_q nheads_k group chunk num_splits seqlen_k_all "
-                "seqlen_new capacity cache_rows window_left window_right")
-        sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "O_PART": "*fp32", "LSE_PART": "*fp32",
-               "SEQLENS_K": "*i32", "CACHE_BATCH_IDX": "*i32", "BLOCK_TABLE": "*i32", "LEFTPAD": "*i32", "ALIBI": "*fp32",
-               "OUT": f"*{dtype}", "LSE": "*fp32",
-               **{name: "i32" for name in ints.split()},
-               "qk_scale": "fp32", "softcap_scale": "fp32", "softcap_log2": "fp32"}
-        # BLOCK_M: the GQA group (8 query heads) of one query row, padded to 16.
-        consts = {"HAS_SEQLENS": True, "headdim": hd, "HEAD_DIM": hd, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False,
-                  "MASK_RIGHT": causal, "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "PAGED": paged_cache,
-                  "PAGE_SIZE": 16 if paged_cache else 1, "HAS_BATCH_IDX": False, "DOT_PRECISION": "tf32", "PDL": True,
-                  "DIRECT": False, "HAS_LEFTPAD": False}
+        # The split kernel's arguments come from decode_register_report's builder (one list of
+        # the kernel's parameters, read from its signature, so this report cannot drift from
+        # it).  BLOCK_M: the GQA group (8 query heads) of one query row, padded to 16.
+        from decode_register_report import compile_split
+
+        return compile_split(hd=hd, block_m=bm, block_n=bn, warps=warps, stages=stages, paged=paged_cache,
+                             append=append, rotary=rotary, causal=causal, direct=direct, dtype=dtype,
+                             softcap=softcap, alibi=alibi)
     else:
         raise ValueError(f"kind must be fwd, dkdv, dq or decode, got {kind!r}")
     # The signature must list every parameter, in any order, constexprs included.
@@ -101,6 +94,9 @@ def main():
     ap.add_argument("--headdim", type=int, nargs="+", default=[128])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--paged-cache", type=int, nargs="+", default=[0], help="decode: 1 = a paged cache (16-row pages)")
+    ap.add_argument("--append", type=int, nargs="+", default=[0], help="decode: 1 = the fused append of new keys")
+    ap.add_argument("--rotary", type=int, nargs="+", default=[0], help="decode: 1 = rotary of q (and new keys)")
+    ap.add_argument("--direct", type=int, nargs="+", default=[0], help="decode: 1 = one split (writes out itself)")
     ap.add_argument("--softcap", type=int, nargs="+", default=[0])
     ap.add_argument("--alibi", type=int, nargs="+", default=[0])
     ap.add_argument("--varlen", action="store_true", help="the packed-batch variant")
@@ -111,12 +107,15 @@ def main():
     global VARLEN, PAGED, PAGE_SIZE
     VARLEN = args.varlen or args.paged > 0
     PAGED, PAGE_SIZE = args.paged > 0, max(args.paged, 1)
-    for tiles, hd, causal, kvb, sc, al in itertools.product(args.tiles, args.headdim, args.causal, args.paged_cache,
-                                                           args.softcap, args.alibi):
+    decode = args.kind == "decode"
+    for tiles, hd, causal, kvb, sc, al, ap_, rot, dr in itertools.product(
+            args.tiles, args.headdim, args.causal, args.paged_cache if decode else [0], args.softcap, args.alibi,
+            args.append if decode else [0], args.rotary if decode else [0], args.direct if decode else [0]):
         bm, bn, w, s = map(int, tiles.split(","))
         k = compile_kernel(args.kind, bm, bn, hd, w, s, bool(causal), bool(kvb), softcap=bool(sc), alibi=bool(al),
-                           dropout=args.dropout)
-        print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal} paged_cache={kvb} "
+                           dropout=args.dropout, append=bool(ap_), rotary=bool(rot), direct=bool(dr))
+        extra = f" paged_cache={kvb} append={ap_} rotary={rot} direct={dr}" if decode else ""
+        print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal}{extra} "
               f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)}: {report(k)}", flush=True)
 
 

@@ -116,37 +116,60 @@ def _rotary_tables(COS, SIN, rot_pos, pos_ok, offs_d, stride_cos_p, stride_cos_k
     """``(partner, cos, sin, angle_ok)`` of the rows at rotary positions ``rot_pos`` (the rule of
     :mod:`flashtile.kernels.rotary`: the first ``2 * half_rotary`` features in pairs; a row
     whose position is outside the ``seqlen_ro`` rows of the tables is left unrotated).  Each
-    feature is combined with its pair partner, loaded a second time in partner order, so a
-    tile stays one ``(rows, HEAD_DIM)`` block: ``out = x * cos + partner * sin`` with the sign
-    of the pair rule folded into ``sin``."""
+    feature is combined with its pair partner, so a tile stays one ``(rows, HEAD_DIM)``
+    block: ``out = x * cos + partner * sin`` with the sign of the pair rule folded into
+    ``sin`` (:func:`_rotate_rows`).
+
+    Interleaved pairs are neighbours: the tables are loaded as contiguous ``(rows, HEAD_DIM /
+    2)`` tiles and each value doubled in registers, and the partner is found in registers
+    too (``partner`` is unused).  Gather loads of a ``(rows, HEAD_DIM)`` tile -- an address
+    per element and thread -- took the fused append + rotary split kernel to 234-255
+    registers (sm_90, benchmarks/decode_register_report.py).  Otherwise the partner is
+    ``offs_d +- half_rotary`` (``half_rotary`` a runtime value), loaded a second time."""
     rotated = offs_d < 2 * half_rotary
+    row_ok = pos_ok & (rot_pos >= 0) & (rot_pos < seqlen_ro)
+    angle_ok = row_ok[:, None] & rotated[None, :]
     if INTERLEAVED:
         # Pair k is features (2k, 2k + 1): out_2k = x_2k cos - x_2k+1 sin, out_2k+1 = x_2k+1 cos + x_2k sin.
-        pair = offs_d // 2
-        partner = offs_d ^ 1
-        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+        ROWS: tl.constexpr = rot_pos.shape[0]
+        HALF: tl.constexpr = offs_d.shape[0] // 2
+        offs_k = tl.arange(0, HALF)
+        table_ok = row_ok[:, None] & (offs_k < half_rotary)[None, :]
+        cos_k = tl.load(COS + rot_pos[:, None] * stride_cos_p + offs_k[None, :] * stride_cos_k, mask=table_ok,
+                        other=1.0).to(tl.float32)
+        sin_k = tl.load(SIN + rot_pos[:, None] * stride_sin_p + offs_k[None, :] * stride_sin_k, mask=table_ok,
+                        other=0.0).to(tl.float32)
+        cos = tl.reshape(tl.join(cos_k, cos_k), (ROWS, 2 * HALF))
+        sin = tl.reshape(tl.join(-sin_k, sin_k), (ROWS, 2 * HALF))
+        partner = offs_d  # unused: the partner is found in registers
     else:
         # Pair k is features (k, k + half_rotary).
         first = offs_d < half_rotary
         pair = tl.where(first, offs_d, offs_d - half_rotary)
         partner = tl.where(first, offs_d + half_rotary, offs_d - half_rotary)
         sign = tl.where(first, -1.0, 1.0)
-    partner = tl.where(rotated, partner, offs_d)
-    angle_ok = (pos_ok & (rot_pos >= 0) & (rot_pos < seqlen_ro))[:, None] & rotated[None, :]
-    cos = tl.load(COS + rot_pos[:, None] * stride_cos_p + pair[None, :] * stride_cos_k, mask=angle_ok,
-                  other=1.0).to(tl.float32)
-    sin = tl.load(SIN + rot_pos[:, None] * stride_sin_p + pair[None, :] * stride_sin_k, mask=angle_ok,
-                  other=0.0).to(tl.float32) * sign[None, :]
+        partner = tl.where(rotated, partner, offs_d)
+        cos = tl.load(COS + rot_pos[:, None] * stride_cos_p + pair[None, :] * stride_cos_k, mask=angle_ok,
+                      other=1.0).to(tl.float32)
+        sin = tl.load(SIN + rot_pos[:, None] * stride_sin_p + pair[None, :] * stride_sin_k, mask=angle_ok,
+                      other=0.0).to(tl.float32) * sign[None, :]
     return partner, cos, sin, angle_ok
 
 
 @triton.jit
-def _rotate_rows(x, rows, partner, cos, sin, angle_ok, mask):
-    """``x`` (loaded from ``rows + offs_d``) rotated by :func:`_rotary_tables`' angles, in float32,
-    rounded once to ``x``'s dtype: what :func:`flashtile.apply_rotary_emb` returns.  Unrotated
-    features keep their value as it is (``x * 1 + partner * 0`` would turn an inf partner
-    into NaN)."""
-    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0)
+def _rotate_rows(x, rows, partner, cos, sin, angle_ok, mask, INTERLEAVED: tl.constexpr):
+    """``x`` (loaded from ``rows + offs_d`` under ``mask``, 0 elsewhere) rotated by
+    :func:`_rotary_tables`' angles, in float32, rounded once to ``x``'s dtype: what
+    :func:`flashtile.apply_rotary_emb` returns.  Unrotated features keep their value as it
+    is (``x * 1 + partner * 0`` would turn an inf partner into NaN)."""
+    if INTERLEAVED:
+        # Interleaved: feature 2k's partner is 2k + 1 and back, swapped in registers.
+        ROWS: tl.constexpr = x.shape[0]
+        HALF: tl.constexpr = x.shape[1] // 2
+        even, odd = tl.split(tl.reshape(x, (ROWS, HALF, 2)))
+        xp = tl.reshape(tl.join(odd, even), (ROWS, 2 * HALF))
+    else:
+        xp = tl.load(rows + partner[None, :], mask=mask, other=0.0)
     return tl.where(angle_ok, x.to(tl.float32) * cos + xp.to(tl.float32) * sin, x.to(tl.float32)).to(x.dtype)
 
 
@@ -290,7 +313,7 @@ def _decode_split(
                     w_partner, w_cos, w_sin, w_turn = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d,
                                                                      stride_cos_p, stride_cos_k, stride_sin_p,
                                                                      stride_sin_k, seqlen_ro, half_rotary, INTERLEAVED)
-                    kn = _rotate_rows(kn, k_rows, w_partner, w_cos, w_sin, w_turn, mask)
+                    kn = _rotate_rows(kn, k_rows, w_partner, w_cos, w_sin, w_turn, mask, INTERLEAVED)
                 vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + hk * stride_vnh
                              + offs_d[None, :], mask=mask, other=0.0)
                 tl.store(K + (idx * stride_kb + row * stride_kn)[:, None] + hk * stride_kh + offs_d[None, :],
@@ -320,7 +343,7 @@ def _decode_split(
             q_pos = rot_base + tl.zeros_like(i).to(tl.int64)
         q_partner, q_cos, q_sin, q_turn = _rotary_tables(COS, SIN, q_pos, row_ok, offs_d, stride_cos_p, stride_cos_k,
                                                          stride_sin_p, stride_sin_k, seqlen_ro, half_rotary, INTERLEAVED)
-        q = _rotate_rows(q, q_rows, q_partner, q_cos, q_sin, q_turn, q_mask)
+        q = _rotate_rows(q, q_rows, q_partner, q_cos, q_sin, q_turn, q_mask, INTERLEAVED)
     if HAS_ALIBI:
         slope_log2 = tl.load(ALIBI + b * stride_ab + h, mask=row_ok, other=0.0)[:, None] * 1.4426950408889634
     else:
@@ -372,7 +395,7 @@ def _decode_split(
                 n_partner, n_cos, n_sin, n_turn = _rotary_tables(COS, SIN, rot_base + t, t_ok, offs_d, stride_cos_p,
                                                                  stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro,
                                                                  half_rotary, INTERLEAVED)
-                k = _rotate_rows(k, k_rows, n_partner, n_cos, n_sin, n_turn, kv_mask)
+                k = _rotate_rows(k, k_rows, n_partner, n_cos, n_sin, n_turn, kv_mask, INTERLEAVED)
             k = k.to(K.dtype.element_ty)  # what the cache holds
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if HAS_SOFTCAP or HAS_ALIBI:
@@ -861,7 +884,7 @@ def _append_kv(
         k_row = K_NEW + b.to(tl.int64) * stride_knb + t[:, None].to(tl.int64) * stride_knn + h * stride_knh
         kn = tl.load(k_row + offs_d[None, :], mask=mask, other=0.0)
         if ROTARY:
-            kn = _rotate_rows(kn, k_row, partner, cos, sin, angle_ok, mask)
+            kn = _rotate_rows(kn, k_row, partner, cos, sin, angle_ok, mask, INTERLEAVED)
         vn = tl.load(V_NEW + b.to(tl.int64) * stride_vnb + t[:, None].to(tl.int64) * stride_vnn + h * stride_vnh
                      + offs_d[None, :], mask=mask, other=0.0)
         tl.store(K_CACHE + (idx * stride_kb + row * stride_kn)[:, None] + h * stride_kh + offs_d[None, :],
