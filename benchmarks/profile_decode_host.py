@@ -9,11 +9,12 @@ check of tensor lengths, ``cache_seqlens`` as a CUDA tensor) measures that wait 
 int-length rows are the call without it.
 
 Rows (``bench = "decode_host"``), ``mode``:
-* ``kvcache`` / ``kvcache+append`` -- ``flash_attn_with_kvcache`` without / with a one-token
-  append, ``layout`` contiguous or paged16, ``lengths`` int or tensor; ``impl`` flashtile
-  (direct launches), flashtile_ordinary (every launch through ``kernel[grid]``, what the
-  launch layer replaces), sdpa_cudnn / sdpa_flash (SDPA on the whole cache; with an append,
-  the two copies into the cache first);
+* ``kvcache`` / ``kvcache+append`` / ``kvcache+append+rotary`` -- ``flash_attn_with_kvcache``
+  without / with a one-token append (and with the rotary of q and the new key), ``layout``
+  contiguous or paged16, ``lengths`` int or tensor; ``impl`` flashtile (direct launches),
+  flashtile_ordinary (every launch through ``kernel[grid]``, what the launch layer replaces),
+  sdpa_cudnn / sdpa_flash (SDPA on the whole cache; with an append, the two copies into the
+  cache first);
 * ``func`` -- ``flash_attn_func`` forward at (1, 128, 8, 64) against SDPA (cuDNN, flash).
 
 Then a cProfile of the flashtile append step.  Records go to ``--out`` (a folder; the
@@ -76,25 +77,29 @@ def decode_inputs(batch, cache, nheads, nheads_k, d, dtype, device="cuda"):
     kp, vp, table = _paged(kc, vc, 16, torch.Generator().manual_seed(0))
     length = cache - 1  # room for the appended key
     lengths = torch.full((batch,), length, dtype=torch.int32, device=device)
+    # Rotary tables over every position of the cache (rotary dim = d, as Llama's).
+    angles = torch.arange(cache, dtype=torch.float32)[:, None] * torch.rand(d // 2)[None, :]
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
     return types.SimpleNamespace(q=q, kc=kc, vc=vc, knew=knew, vnew=vnew, kp=kp, vp=vp, table=table,
-                                 length=length, lengths=lengths)
+                                 length=length, lengths=lengths, cos=cos, sin=sin)
 
 
 def flashtile_decode_cases(x):
     """``(record fields, fn)`` for flashtile's decode calls on ``decode_inputs``' tensors:
-    contiguous / paged16, with / without an appended key, int / tensor lengths."""
+    contiguous / paged16, with / without an appended key (and with the append, the rotary
+    of q and the new key: ``kvcache+append+rotary``), int / tensor lengths."""
     for layout in ("contiguous", "paged16"):
         k_cache, v_cache, bt = (x.kc, x.vc, None) if layout == "contiguous" else (x.kp, x.vp, x.table)
-        for append in (False, True):
+        for mode in ("kvcache", "kvcache+append", "kvcache+append+rotary"):
             for seqlens in (x.length, x.lengths):
-                new = (x.knew, x.vnew) if append else (None, None)
+                new = (x.knew, x.vnew) if mode != "kvcache" else (None, None)
+                rotary = dict(rotary_cos=x.cos, rotary_sin=x.sin) if mode.endswith("rotary") else {}
 
-                def fn(k_cache=k_cache, v_cache=v_cache, bt=bt, new=new, seqlens=seqlens):
+                def fn(k_cache=k_cache, v_cache=v_cache, bt=bt, new=new, seqlens=seqlens, rotary=rotary):
                     return flashtile.flash_attn_with_kvcache(x.q, k_cache, v_cache, *new, cache_seqlens=seqlens,
-                                                             block_table=bt)
+                                                             block_table=bt, **rotary)
 
-                yield dict(mode="kvcache+append" if append else "kvcache", layout=layout,
-                           lengths="int" if isinstance(seqlens, int) else "tensor"), fn
+                yield dict(mode=mode, layout=layout, lengths="int" if isinstance(seqlens, int) else "tensor"), fn
 
 
 def kvcache_cases(batch, cache, nheads, nheads_k, d, dtype):

@@ -21,9 +21,10 @@ So ``us`` here is what flashtile's Python costs per call; on a GPU, torch's CUDA
 and Triton's C launcher (a few us per launch) come on top.  A launch that goes Triton's
 ordinary way (``kernel[grid](...)``, 40-90 us of binding on a GPU host) costs nothing here:
 compare such paths on a GPU (``profile_decode_host.py``).  Cases (batch 1, cache 1k,
-32 / 4 heads, d = 128, bf16, one query row): ``kvcache`` / ``kvcache+append``, contiguous or
-paged16, int or tensor ``cache_seqlens``; ``func``: ``flash_attn_func`` at (1, 128, 8, 64),
-eager (``torch.no_grad`` and not) and its custom-op dispatch.  Then a cProfile of one case.
+32 / 4 heads, d = 128, bf16, one query row): ``kvcache`` / ``kvcache+append`` /
+``kvcache+append+rotary``, contiguous or paged16, int or tensor ``cache_seqlens``; ``func``:
+``flash_attn_func`` at (1, 128, 8, 64), eager (``torch.no_grad`` and not) and its custom-op
+dispatch.  Then a cProfile of one case.
 
     python benchmarks/profile_host_cpu.py [--calls 20000] [--profile kvcache+append] [--json out.jsonl]
 """

@@ -788,3 +788,43 @@ def test_gpu_bad_indices_in_a_cuda_graph_touch_nothing(page_size):
         torch.cuda.synchronize()
         assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
         assert not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("append, lengths, page_size, rotary", [
+    (False, "int", None, False), (False, "tensor", None, False), (True, "int", None, False),
+    (True, "tensor", None, False), (False, "tensor", 16, False), (True, "int", 16, False), (True, "tensor", 16, False),
+    (True, "tensor", None, True), (True, "int", 16, True),
+], ids=lambda v: str(v))
+def test_gpu_torch_compile_fullgraph_matches_eager(append, lengths, page_size, rotary):
+    """``torch.compile(fullgraph=True)`` of a function calling ``flash_attn_with_kvcache`` (the
+    step traced: checks, plan, kernel launches through Dynamo's Triton support) gives eager's
+    outputs and leaves the cache as eager leaves it; two steps, the length growing between
+    them (an int length: a new value, so a recompile or a symbolic int)."""
+    torch._dynamo.reset()
+    q, kc, vc, table = _case(2, 1, 8, 2, 128, 1024, page_size, seed=40, dtype=torch.bfloat16, device="cuda")
+    g = _gen(41)
+    knew, vnew = (torch.randn(2, 1, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    cos = sin = None
+    if rotary:
+        angles = torch.rand(1100, 32, generator=g) * 6.0
+        cos, sin = angles.cos().to("cuda"), angles.sin().to("cuda")
+
+    def step(q, k_cache, v_cache, k, v, seqlens):
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                                     block_table=table, causal=True, return_lse=True,
+                                                     rotary_cos=cos, rotary_sin=sin)
+        return out * 2, lse  # a torch op after the call: the graph continues past it
+
+    compiled = torch.compile(step, fullgraph=True)
+    caches = {"eager": (kc.clone(), vc.clone()), "compiled": (kc.clone(), vc.clone())}
+    for length in (700, 701):
+        seqlens = length if lengths == "int" else torch.tensor([length, length // 3], dtype=torch.int32,
+                                                                device="cuda")
+        new = (knew, vnew) if append else (None, None)
+        want = step(q, *caches["eager"], *new, seqlens)
+        got = compiled(q, *caches["compiled"], *new, seqlens)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        assert torch.equal(caches["compiled"][0], caches["eager"][0])
+        assert torch.equal(caches["compiled"][1], caches["eager"][1])
