@@ -253,7 +253,7 @@ def _positive_int(text: str) -> int:
 
 
 def _headdim(text: str) -> int:
-    from flashtile.ops.validation import MAX_HEADDIM
+    from flashtile.validation import MAX_HEADDIM
 
     value = _positive_int(text)
     if value > MAX_HEADDIM:

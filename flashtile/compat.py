@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import interface as _interface
+from flashtile import validation
 from flashtile import kvcache as _kvcache
 from flashtile import packed as _packed
 from flashtile.padding import pad_input as _pad_input
@@ -43,11 +44,6 @@ __all__ = [
 ]
 
 
-def _check_flag(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
 def _with_probs(result, return_attn_probs):
     if return_attn_probs:
         out, lse = result
@@ -59,7 +55,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_func``: :func:`flashtile.flash_attn_func`; with
     ``return_attn_probs=True`` returns ``(out, softmax_lse, None)`` (no ``S_dmask``)."""
-    _check_flag("return_attn_probs", return_attn_probs)
+    return_attn_probs = validation.check_bool("return_attn_probs", return_attn_probs)
     result = _interface.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                         alibi_slopes, deterministic, return_attn_probs)
     return _with_probs(result, return_attn_probs)
@@ -71,7 +67,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn's ``flash_attn_varlen_func``: :func:`flashtile.flash_attn_varlen_func`; with
     ``return_attn_probs=True`` returns ``(out, softmax_lse, None)`` (no ``S_dmask``).
     ``block_table``: paged ``k`` / ``v`` (forward only)."""
-    _check_flag("return_attn_probs", return_attn_probs)
+    return_attn_probs = validation.check_bool("return_attn_probs", return_attn_probs)
     result = _interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                deterministic, return_attn_probs, block_table=block_table)
@@ -82,7 +78,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_qkvpacked_func``: :func:`flashtile.flash_attn_qkvpacked_func`;
     with ``return_attn_probs=True`` returns ``(out, softmax_lse, None)`` (no ``S_dmask``)."""
-    _check_flag("return_attn_probs", return_attn_probs)
+    return_attn_probs = validation.check_bool("return_attn_probs", return_attn_probs)
     result = _packed.flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size, softcap,
                                                alibi_slopes, deterministic, return_attn_probs)
     return _with_probs(result, return_attn_probs)
@@ -92,7 +88,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_kvpacked_func``: :func:`flashtile.flash_attn_kvpacked_func`;
     with ``return_attn_probs=True`` returns ``(out, softmax_lse, None)`` (no ``S_dmask``)."""
-    _check_flag("return_attn_probs", return_attn_probs)
+    return_attn_probs = validation.check_bool("return_attn_probs", return_attn_probs)
     result = _packed.flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
                                               alibi_slopes, deterministic, return_attn_probs)
     return _with_probs(result, return_attn_probs)
@@ -104,7 +100,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """flash-attn's ``flash_attn_varlen_qkvpacked_func``:
     :func:`flashtile.flash_attn_varlen_qkvpacked_func`; with ``return_attn_probs=True``
     returns ``(out, softmax_lse, None)`` (no ``S_dmask``)."""
-    _check_flag("return_attn_probs", return_attn_probs)
+    return_attn_probs = validation.check_bool("return_attn_probs", return_attn_probs)
     result = _packed.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                                       window_size, softcap, alibi_slopes, deterministic,
                                                       return_attn_probs)
@@ -117,7 +113,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """flash-attn's ``flash_attn_varlen_kvpacked_func``:
     :func:`flashtile.flash_attn_varlen_kvpacked_func`; with ``return_attn_probs=True``
     returns ``(out, softmax_lse, None)`` (no ``S_dmask``)."""
-    _check_flag("return_attn_probs", return_attn_probs)
+    return_attn_probs = validation.check_bool("return_attn_probs", return_attn_probs)
     result = _packed.flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                      dropout_p, softmax_scale, causal, window_size, softcap,
                                                      alibi_slopes, deterministic, return_attn_probs)
@@ -136,8 +132,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     flash-attn does (``rotary_interleaved`` picks the pairs); ``cache_leftpad`` left-pads the
     cache.
     """
-    _check_flag("rotary_interleaved", rotary_interleaved)
-    _check_flag("return_softmax_lse", return_softmax_lse)
+    rotary_interleaved = validation.check_bool("rotary_interleaved", rotary_interleaved)
+    return_softmax_lse = validation.check_bool("return_softmax_lse", return_softmax_lse)
     return _kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -159,11 +155,7 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
     if unused_mask is None:
         kept = attention_mask
     else:
-        if not isinstance(unused_mask, torch.Tensor):
-            raise TypeError(f"unused_mask must be a torch.Tensor or None, got {type(unused_mask).__name__}")
-        if not isinstance(attention_mask, torch.Tensor) or unused_mask.shape != attention_mask.shape:
-            raise ValueError(f"unused_mask must have attention_mask's shape (batch, seqlen), got "
-                             f"{tuple(unused_mask.shape)}")
+        validation.check_unused_mask(unused_mask, attention_mask)
         kept = attention_mask.bool() | unused_mask.bool()
     packed, indices, cu_seqlens, max_seqlen = _unpad_input(hidden_states, kept)
     used_seqlens = attention_mask.bool().sum(dim=-1, dtype=torch.int32)

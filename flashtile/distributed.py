@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from flashtile.ops import attention as _ops
-from flashtile.ops.validation import check_attention_inputs, check_cu_seqlens
+from flashtile import validation
 from flashtile.semantics.params import AttentionParams
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "zigzag_unshard",
 ]
 
-_MODES = ("ring", "allgather")
 _KV_TAG, _GRAD_TAG = 0, 1  # distinct tags: K/V and dK/dV messages never pair up by mistake (gloo)
 
 
@@ -65,20 +64,11 @@ def _chunk_ids(rank: int, world: int, zigzag: bool) -> list[int]:
     return [rank, 2 * world - 1 - rank] if zigzag else [rank]
 
 
-def _check_rank_world(rank, world):
-    for name, value in (("rank", rank), ("world", world)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"need 0 <= rank < world, got rank {rank}, world {world}")
-
-
 def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
     """This rank's zigzag shard of a full sequence: chunks ``rank`` and ``2 * world - 1 - rank``
     of ``2 * world`` equal chunks along ``dim`` (the sequence dim; 2 for a dense LSE)."""
-    _check_rank_world(rank, world)
-    if x.shape[dim] % (2 * world):
-        raise ValueError(f"zigzag sharding needs a length divisible by 2 * world = {2 * world}, got {x.shape[dim]}")
+    validation.check_rank_world(rank, world)
+    validation.check_zigzag_length(x.shape[dim], world)
     chunks = x.chunk(2 * world, dim=dim)
     return torch.cat([chunks[i] for i in _chunk_ids(rank, world, True)], dim=dim)
 
@@ -97,31 +87,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _host_cu(name: str, cu_seqlens) -> list[int]:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{name} must be a 1-D tensor of batch + 1 prefix sums")
-    cu = cu_seqlens.tolist()  # one small device-to-host copy
-    if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
-        raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu}")
-    return cu
-
-
-def _check_divisible(name: str, cu: list[int], world: int, zigzag: bool) -> int:
-    n = 2 * world if zigzag else world
-    lens = [b - a for a, b in itertools.pairwise(cu)]
-    bad = [(i, n_) for i, n_ in enumerate(lens) if n_ % n]
-    if bad:
-        how = f"2 * world = {n} (zigzag)" if zigzag else f"world = {n}"
-        raise ValueError(
-            f"{name}: every sequence is split into {n} equal chunks, so every length must be divisible by "
-            f"{how}; sequences (index, length) {bad[:8]} are not (pad them)"
-        )
-    return n
-
-
 def _varlen_rows(cu: list[int], rank: int, world: int, zigzag: bool) -> torch.Tensor:
     """Global packed rows held by ``rank``, in local order: for each sequence, its chunks."""
-    n = _check_divisible("cu_seqlens", cu, world, zigzag)
+    n = validation.check_shardable_lengths("cu_seqlens", cu, world, zigzag)
     pieces = []
     for start, end in itertools.pairwise(cu):
         c = (end - start) // n
@@ -138,8 +106,8 @@ def varlen_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world: in
     ``rank`` and ``2 * world - 1 - rank`` (chunk ``rank``): a packed batch of the same sequences,
     each ``1 / world`` as long, described by :func:`varlen_local_cu_seqlens`.
     """
-    _check_rank_world(rank, world)
-    rows = _varlen_rows(_host_cu("cu_seqlens", cu_seqlens), rank, world, zigzag)
+    validation.check_rank_world(rank, world)
+    rows = _varlen_rows(validation.host_cu_seqlens("cu_seqlens", cu_seqlens), rank, world, zigzag)
     return x.index_select(dim, rows.to(x.device))
 
 
@@ -147,7 +115,7 @@ def varlen_unshard(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, zigzag:
                    dim: int = 0) -> torch.Tensor:
     """Reassemble the full packed batch from every rank's :func:`varlen_shard` (in rank order)."""
     world = len(shards)
-    cu = _host_cu("cu_seqlens", cu_seqlens)
+    cu = validation.host_cu_seqlens("cu_seqlens", cu_seqlens)
     shape = list(shards[0].shape)
     shape[dim] = cu[-1]
     out = shards[0].new_empty(shape)
@@ -448,26 +416,6 @@ class _ContextParallelAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------
 
 
-def _check_common(group, causal, window_size, return_lse, zigzag, mode, params):
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("ring attention needs an initialised torch.distributed process group "
-                         "(torch.distributed.init_process_group)")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if mode not in _MODES:
-        raise ValueError(f"mode must be 'ring' or 'allgather', got {mode!r}")
-    if zigzag is not None and not isinstance(zigzag, bool):
-        raise TypeError(f"zigzag must be a bool or None, got {type(zigzag).__name__}")
-    if params.window_left != -1 or params.window_right not in (-1, 0):
-        raise NotImplementedError(
-            f"ring attention supports no sliding window yet: window_size must be (-1, -1) (or (-1, 0), i.e. "
-            f"causal), got {tuple(window_size)}")
-    causal = params.window_right == 0
-    if dist.get_rank(group) < 0:
-        raise ValueError("this rank is not a member of group")
-    return causal, causal if zigzag is None else zigzag
-
-
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                          return_lse=False, zigzag=None, mode="ring"):
     """Exact attention over a sequence sharded across the ranks of ``group``.
@@ -493,13 +441,8 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
         back to their owner, dQ stays local).  Works on CUDA tensors with NCCL and on CPU tensors
         with gloo.
     """
-    params = check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
-    causal, zigzag = _check_common(group, causal, window_size, return_lse, zigzag, mode, params)
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal ring attention needs seqlen_q == seqlen_k, got shards of {q.shape[1]} and {k.shape[1]}")
-    if zigzag and (q.shape[1] % 2 or k.shape[1] % 2):
-        raise ValueError(f"zigzag shards hold two equal chunks: the local seqlen must be even, got "
-                         f"{q.shape[1]} (q) and {k.shape[1]} (k)")
+    params, causal, zigzag = validation.check_ring_inputs(q, k, v, group, softmax_scale, causal, window_size,
+                                                         return_lse, zigzag, mode)
     out, lse = _ContextParallelAttention.apply(q, k, v, _Dense(params.softmax_scale), causal, zigzag, mode, group)
     return (out, lse) if return_lse else out
 
@@ -528,32 +471,10 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     Each step is one call of the packed kernels with per-rank ``cu_seqlens``.  Reads
     ``cu_seqlens`` on the host once per call (to validate and to index the chunks).
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError("q must be a torch.Tensor of shape (total_q / world, nheads, headdim)")
-    if not isinstance(k, torch.Tensor) or k.dim() != 3:
-        raise ValueError("k must be a torch.Tensor of shape (total_k / world, nheads_k, headdim)")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("ring attention needs an initialised torch.distributed process group "
-                         "(torch.distributed.init_process_group)")
+    params, causal, zigzag, batch, cu_q = validation.check_ring_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, group, softmax_scale, causal, return_lse,
+        zigzag, mode)
     world = dist.get_world_size(group)
-    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] * world, q.device, max_seqlen_q, "max_seqlen_q")
-    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] * world, q.device, max_seqlen_k, "max_seqlen_k")
-    if batch_k != batch:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
-    params = check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal, packed=True, packed_batch=batch)
-    causal, zigzag = _check_common(group, causal, (-1, 0) if causal else (-1, -1), return_lse, zigzag, mode, params)
-
-    cu_q, cu_k = _host_cu("cu_seqlens_q", cu_seqlens_q), _host_cu("cu_seqlens_k", cu_seqlens_k)
-    for name, cu, local, mx, mx_name in (("cu_seqlens_q", cu_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
-                                         ("cu_seqlens_k", cu_k, k.shape[0], max_seqlen_k, "max_seqlen_k")):
-        if cu[-1] != local * world:
-            raise ValueError(f"{name} ends at {cu[-1]}, but this rank's shard has {local} rows: the shard must be "
-                             f"1 / world of the full batch ({cu[-1]} / {world})")
-        if max(b - a for a, b in itertools.pairwise(cu)) > mx:
-            raise ValueError(f"{mx_name} ({mx}) is smaller than the longest sequence")
-        _check_divisible(name, cu, world, zigzag)
-    if causal and cu_q != cu_k:
-        raise ValueError("causal ring attention needs cu_seqlens_q == cu_seqlens_k (self-attention)")
 
     halves = None
     if causal and zigzag:

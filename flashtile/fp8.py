@@ -9,19 +9,16 @@ kernel (the max-offset trick, the transposed V) and the measurements behind its 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from flashtile.ops.validation import MAX_HEADDIM, check_float32_tensor
+from flashtile import validation
 
 __all__ = ["E4M3_MAX", "flash_attn_fp8_func", "quantize_fp8", "transpose_v"]
 
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = validation.FP8_DTYPE
 # The largest finite e4m3fn value (1.110b * 2^8): quantize_fp8 maps each group's amax here
 # so the group uses the format's whole range, and no finite input can overflow to NaN.
 E4M3_MAX = 448.0
-_GRANULARITIES = ("tensor", "head", "block")
 # Where flash-attn-layout V gets its keys-contiguous layout (docs/fp8.md, "V layout").  A host
 # transpose costs two passes of V through HBM, once per call; the kernel's own transpose costs
 # shared-memory traffic each time a query tile reads a V tile, i.e. seqlen_q / BLOCK_M * group
@@ -42,10 +39,7 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     whose rows are padded to a multiple of 16 keys: a TMA descriptor needs every stride but
     the last to be a multiple of 16 bytes.
     """
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"v must be a torch.Tensor (batch, seqlen_k, nheads_k, headdim), got {type(v).__name__}")
-    if v.dim() != 4:
-        raise ValueError(f"v must have 4 dimensions (batch, seqlen_k, nheads_k, headdim), got shape {tuple(v.shape)}")
+    validation.check_rank("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
     batch, seqlen_k, nheads_k, headdim = v.shape
     padded = -(-seqlen_k // 16) * 16
     buf = torch.empty(batch, nheads_k, headdim, padded, dtype=v.dtype, device=v.device)
@@ -64,77 +58,6 @@ def _tma_ready_vt(v_t: torch.Tensor) -> torch.Tensor:
     ok = (v_t.stride(-1) == 1 and v_t.data_ptr() % 16 == 0
           and all((s * v_t.element_size()) % 16 == 0 for s in v_t.stride()[:-1]))
     return v_t if ok else transpose_v(v_t.permute(0, 3, 1, 2))
-
-
-# --------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------
-
-
-def _check_fp8_tensor(name: str, t, layout: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must have 4 dimensions {layout}, got shape {tuple(t.shape)}")
-    if t.dtype != FP8_DTYPE:
-        raise ValueError(
-            f"{name} must have dtype torch.float8_e4m3fn (see flashtile.quantize_fp8), got {t.dtype}"
-        )
-    if t.stride(-1) != 1 and t.shape[-1] != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_descale(name: str, descale, batch: int, nheads_k: int, device) -> torch.Tensor:
-    """None -> ones(1); otherwise fp32 ``(1,)`` or ``(batch, nheads_k)`` on the inputs' device."""
-    if descale is None:
-        return torch.ones(1, dtype=torch.float32, device=device)
-    check_float32_tensor(name, descale, device, {(1,): "(per tensor)", (batch, nheads_k): "(batch, nheads_k)"})
-    # The kernels take the row max of raw scores times the scale, which is the max of the
-    # scaled scores only for a positive scale.  Checked where it costs no device sync.
-    if descale.device.type == "cpu" and not bool(((descale > 0) & torch.isfinite(descale)).all()):
-        raise ValueError(f"{name} must be positive and finite, got {descale.tolist()}")
-    return descale.detach()
-
-
-def _check_inputs(q, k, v, v_transposed):
-    _check_fp8_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
-    _check_fp8_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
-    v_layout = "(batch, nheads_k, headdim, seqlen_k)" if v_transposed else "(batch, seqlen_k, nheads_k, headdim)"
-    _check_fp8_tensor("v", v, v_layout)
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q must be on a cpu or cuda device, got {q.device}")
-    batch, _, nheads, headdim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
-    if k.shape[-1] != headdim:
-        raise ValueError(f"q and k must have the same head dimension, got {headdim} and {k.shape[-1]}")
-    expected_v = (batch, nheads_k, headdim, seqlen_k) if v_transposed else tuple(k.shape)
-    if tuple(v.shape) != expected_v:
-        raise ValueError(f"v must have shape {v_layout} = {expected_v}, got {tuple(v.shape)}")
-    if headdim % 16 != 0 or not 16 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"head dimension must be a multiple of 16 between 16 and {MAX_HEADDIM}, got {headdim}")
-    if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_k}) (GQA/MQA)")
-
-
-def _check_scale(softmax_scale, headdim: int) -> float:
-    if softmax_scale is None:
-        return headdim ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a finite float > 0 or None, got {type(softmax_scale).__name__}")
-    softmax_scale = float(softmax_scale)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a finite float > 0 or None, got {softmax_scale}")
-    return softmax_scale
 
 
 # --------------------------------------------------------------------------------------
@@ -196,17 +119,17 @@ def flash_attn_fp8_func(
     dequantise to float32 and run the tiled CPU attention, which does not round P -- the
     value the GPU result approximates.
     """
-    v_transposed = _check_bool("v_transposed", v_transposed)
-    _check_inputs(q, k, v, v_transposed)
+    v_transposed = validation.check_bool("v_transposed", v_transposed)
+    validation.check_fp8_inputs(q, k, v, v_transposed)
     batch, _, nheads, headdim = q.shape
     nheads_k = k.shape[2]
-    q_descale = _check_descale("q_descale", q_descale, batch, nheads_k, q.device)
-    k_descale = _check_descale("k_descale", k_descale, batch, nheads_k, q.device)
-    v_descale = _check_descale("v_descale", v_descale, batch, nheads_k, q.device)
-    softmax_scale = _check_scale(softmax_scale, headdim)
-    causal = _check_bool("causal", causal)
-    return_lse = _check_bool("return_lse", return_lse)
-    max_offset = _check_bool("max_offset", max_offset)
+    q_descale = validation.check_descale("q_descale", q_descale, batch, nheads_k, q.device)
+    k_descale = validation.check_descale("k_descale", k_descale, batch, nheads_k, q.device)
+    v_descale = validation.check_descale("v_descale", v_descale, batch, nheads_k, q.device)
+    softmax_scale = validation.check_softmax_scale(softmax_scale, headdim)
+    causal = validation.check_bool("causal", causal)
+    return_lse = validation.check_bool("return_lse", return_lse)
+    max_offset = validation.check_bool("max_offset", max_offset)
 
     with torch.no_grad():
         if q.device.type == "cuda":
@@ -269,30 +192,8 @@ def quantize_fp8(x: torch.Tensor, granularity: str = "tensor", nheads_k: int | N
             ``k.shape[2]``: the query heads of one group then share a scale, as the kernel's
             ``q_descale (batch, nheads_k)`` requires.  Default ``x.shape[2]``.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor (batch, seqlen, nheads, headdim), got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"x must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x must be torch.bfloat16, torch.float16 or torch.float32, got {x.dtype}")
-    if not isinstance(granularity, str):
-        raise TypeError(f"granularity must be a str, one of {_GRANULARITIES}, got {type(granularity).__name__}")
-    if granularity not in _GRANULARITIES:
-        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
-    if granularity == "block":
-        raise NotImplementedError(
-            "granularity='block' is not implemented: per-token-block scales did not lower the FP8 attention "
-            "error measurably (median 0-5 % over seeds, docs/fp8.md); use 'tensor' or 'head'"
-        )
+    nheads_k = validation.check_quantize_args(x, granularity, nheads_k)
     batch, seqlen, nheads, headdim = x.shape
-    if nheads_k is None:
-        nheads_k = nheads
-    if isinstance(nheads_k, bool) or not isinstance(nheads_k, int):
-        raise TypeError(f"nheads_k must be an int or None, got {type(nheads_k).__name__}")
-    if nheads_k <= 0 or nheads % nheads_k != 0:
-        raise ValueError(f"nheads_k must be a positive divisor of x's nheads ({nheads}), got {nheads_k}")
-    if granularity == "tensor" and nheads_k != nheads:
-        raise ValueError("nheads_k applies to granularity='head' only")
 
     xf = x.detach().to(torch.float32)
     if granularity == "tensor":

@@ -11,14 +11,11 @@ from __future__ import annotations
 import torch
 
 from flashtile.interface import flash_attn_func, flash_attn_varlen_func
-from flashtile.ops.validation import check_tensor
+from flashtile import validation
 
 
 def _unpack(name: str, packed, rank: int, count: int, layout: str):
-    check_tensor(name, packed, rank, layout)
-    if packed.shape[-3] != count:
-        raise ValueError(f"{name} must have shape {layout} (size {count} in dimension {rank - 3}), "
-                         f"got {tuple(packed.shape)}")
+    validation.check_stacked(name, packed, rank, count, layout)
     return packed.unbind(dim=-3)
 
 

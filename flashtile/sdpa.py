@@ -38,9 +38,7 @@ import torch
 
 from flashtile.interface import flash_attn_func, flash_attn_varlen_func
 from flashtile.masking import mask_array
-from flashtile.ops.validation import MAX_HEADDIM, SUPPORTED_DTYPES
-
-_BSHD = "(batch, heads, seq, dim)"
+from flashtile import validation
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -63,13 +61,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         ``(batch, heads, L, Ev)``, like PyTorch (a transposed view of the kernels' output when
         they ran).  Gradients flow to ``query``, ``key`` and ``value``.
     """
-    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    dropout_p, is_causal, scale, enable_gqa = validation.check_sdpa_inputs(query, key, value, attn_mask, dropout_p,
+                                                                           is_causal, scale, enable_gqa)
     if query.dim() == 3:  # (heads, seq, dim): one batch entry; a mask broadcasts the same way
         out = scaled_dot_product_attention(query[None], key[None], value[None], attn_mask, dropout_p, is_causal,
                                            scale, enable_gqa)
         return out[0]
-    dropout_p = float(dropout_p)
-    scale = None if scale is None else float(scale)
 
     if not _kernels_can_serve(query, key, value, attn_mask, scale):
         return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -100,69 +97,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
-    tensors = (("query", query), ("key", key), ("value", value))
-    for name, t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {_BSHD}, got {type(t).__name__}")
-    for name, t in tensors:
-        if t.dim() not in (3, 4) or t.dim() != query.dim():
-            shapes = ", ".join(f"{n} {tuple(x.shape)}" for n, x in tensors)
-            raise ValueError(
-                f"{name} must be {_BSHD} (or (heads, seq, dim)), with query, key and value of one rank; got {shapes}"
-            )
-    if query.dim() == 4 and not query.shape[0] == key.shape[0] == value.shape[0]:
-        raise ValueError(f"query, key and value must have one batch size, got {query.shape[0]}, {key.shape[0]}, "
-                         f"{value.shape[0]}")
-    if key.shape[-2] != value.shape[-2] or key.shape[-3] != value.shape[-3]:
-        raise ValueError(f"key and value must have the same heads and sequence length, got key {tuple(key.shape)} "
-                         f"and value {tuple(value.shape)}")
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"query and key must have the same head dimension, got {query.shape[-1]} and {key.shape[-1]}")
-    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    heads, heads_kv = query.shape[-3], key.shape[-3]
-    if heads != heads_kv and not enable_gqa:
-        raise ValueError(
-            f"query has {heads} heads and key {heads_kv}: pass enable_gqa=True for grouped-query attention"
-        )
-    if heads_kv == 0 or heads % heads_kv != 0:
-        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the key/value heads ({heads_kv})")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if attn_mask is None:
-        return
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-    if is_causal:
-        raise ValueError("attn_mask and is_causal cannot both be set (as in PyTorch): fold the causal mask into attn_mask")
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise ValueError(f"attn_mask must be boolean (True = may attend) or floating (added to the scores), "
-                         f"got {attn_mask.dtype}")
-    scores_shape = (*query.shape[:-1], key.shape[-2])
-    try:
-        broadcast = torch.broadcast_shapes(attn_mask.shape, scores_shape)
-    except RuntimeError:
-        broadcast = None
-    if broadcast != torch.Size(scores_shape):
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the scores' shape "
-                         f"{tuple(scores_shape)} (batch, heads, L, S)")
-    if attn_mask.device != query.device:
-        raise ValueError(f"attn_mask must be on query's device ({query.device}), got {attn_mask.device}")
-
-
 def _kernels_can_serve(query, key, value, attn_mask, scale) -> bool:
     """True when flashtile's kernels compute exactly what PyTorch's SDPA would for these inputs."""
     tensors = (query, key, value)
     return (
-        query.dtype in SUPPORTED_DTYPES and key.dtype == query.dtype and value.dtype == query.dtype
+        query.dtype in validation.SUPPORTED_DTYPES and key.dtype == query.dtype and value.dtype == query.dtype
         and query.device.type in ("cpu", "cuda") and key.device == query.device and value.device == query.device
-        and value.shape[-1] == query.shape[-1] and 1 <= query.shape[-1] <= MAX_HEADDIM
+        and value.shape[-1] == query.shape[-1] and 1 <= query.shape[-1] <= validation.MAX_HEADDIM
         and all(t.numel() > 0 for t in tensors)
         and all(t.stride(-1) == 1 for t in tensors)
         and (scale is None or scale > 0)  # the kernels fold the scale into the running max: it must be positive

@@ -156,7 +156,7 @@ def test_validation_errors():
         f(q8[..., :24], k8[..., :24], v8[..., :24])
     with pytest.raises(ValueError, match="GQA"):
         f(q8[:, :, :3], k8, v8)
-    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+    with pytest.raises(ValueError, match=r"contiguous in its last \(head\) dimension"):
         f(q8.transpose(1, 3), k8, v8)
     with pytest.raises(TypeError, match="q_descale must be a torch.Tensor or None"):
         f(q8, k8, v8, q_descale=1.0)

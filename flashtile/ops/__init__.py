@@ -1,1 +1,1 @@
-"""Autograd / custom-op wrappers and argument validation."""
+"""Autograd / custom-op wrappers."""

@@ -1,4 +1,4 @@
-"""``flashtile.softmax`` / ``flashtile.log_softmax``: validation, layout, autograd.
+"""``flashtile.softmax`` / ``flashtile.log_softmax``: layout, autograd, the CPU path.
 
 The softmax dim is moved last *as a view*; rows are then described to the kernels by up to
 three leading indices with their strides (``collapse_rows``), so transposed, sliced and
@@ -15,46 +15,13 @@ import os
 
 import torch
 
-from flashtile.ops.validation import check_dtype
+from flashtile import validation
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     if x.dtype == torch.float64:  # the kernels compute in float32; float64 is the CPU path's
         return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _check(x, dim, scale, mask):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    check_dtype("x", x.dtype, x.device.type)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension, got a 0-d tensor")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d x, got {dim}")
-    if scale is None:
-        scale = 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if scale != scale or scale in (float("inf"), float("-inf")):
-        raise ValueError(f"scale must be finite, got {scale}")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            raise ValueError(f"mask must be boolean (True = keep) or floating (added to the scores), got {mask.dtype}")
-        if mask.device != x.device:
-            raise ValueError(f"mask must be on x's device ({x.device}), got {mask.device}")
-        try:
-            torch.broadcast_shapes(mask.shape, x.shape)
-        except RuntimeError:
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {tuple(x.shape)}") from None
-        if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
-            raise ValueError(f"mask of shape {tuple(mask.shape)} would enlarge x's shape {tuple(x.shape)}")
-    return dim % x.dim(), scale
 
 
 def _torch_softmax(x, dim, scale, mask, log):
@@ -118,7 +85,7 @@ class _Softmax(torch.autograd.Function):
 
 
 def _apply(x, dim, scale, mask, log):
-    dim, scale = _check(x, dim, scale, mask)
+    dim, scale = validation.check_softmax_args(x, dim, scale, mask)
     if not _use_triton(x):
         return _torch_softmax(x, dim, scale, mask, log)
     return _Softmax.apply(x, dim, scale, mask, log)

@@ -7,7 +7,7 @@ probability and the counter-based RNG's ``seed`` and ``offset``) and whether the
 must be bitwise reproducible.  docs/semantics.md says what each one means.
 
 The public functions check and normalise the user's arguments into an
-:class:`AttentionParams` (``flashtile.ops.validation``); the torch.library custom ops take
+:class:`AttentionParams` (``flashtile.validation``); the torch.library custom ops take
 its fields as primitive arguments (a custom op's schema has no place for a dataclass) in
 the order of :meth:`AttentionParams.op_args` and rebuild it inside; the backends
 (``flashtile.cpu``, ``flashtile.kernels.attention``) and ring attention take it whole.

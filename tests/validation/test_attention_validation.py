@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.ops.validation import MAX_HEADDIM, check_attention_inputs
+from flashtile.validation import MAX_HEADDIM, check_attention_inputs
 
 B, NQ, NK, H, HK, D = 2, 5, 7, 4, 2, 16
 
@@ -112,7 +112,7 @@ def test_float64_accepted_on_cpu():
 def test_float64_rejected_for_the_gpu_kernels(name):
     # The check itself, for a CUDA device (no GPU needed): a ValueError naming the argument
     # and saying where float64 runs.
-    from flashtile.ops.validation import check_dtype
+    from flashtile.validation import check_dtype
 
     with pytest.raises(ValueError, match=rf"^{name} has dtype torch.float64.*GPU kernels.*CPU"):
         check_dtype(name, torch.float64, "cuda")
