@@ -232,13 +232,21 @@ def stubbed(monkeypatch):
     from flashtile.kernels.attention import forward
     from flashtile.kernels.hopper import attention_fwd
 
+    from flashtile.kernels import launch as launch_mod
+
     launches, inputs = [], {}
 
+    # The general path calls ``launch``, a plan its bound launcher: both recorded as the kernel,
+    # grid, arguments and options they hand the launch layer (``dynamic`` is a hint of
+    # ``launch``'s, not a launch argument; the bound launchers' own rules are
+    # tests/kernels/test_launch.py's).
     def recording(kernel, grid, args, options, dynamic=()):
-        launches.append((kernel.fn.__name__, grid, _describe(args, inputs), sorted(options.items()), dynamic))
+        launches.append((kernel.fn.__name__, grid, _describe(args, inputs), sorted(options.items())))
 
     monkeypatch.setattr(forward, "launch", recording)
     monkeypatch.setattr(attention_fwd, "launch", recording)
+    monkeypatch.setattr(launch_mod.BoundLaunch, "__call__",
+                        lambda self, head: recording(self.kernel, self.grid, head + self.tail, self.options))
     forward.clear_plans()
     with profile_host_cpu.stubbed_gpu():
         yield launches, inputs
@@ -304,3 +312,49 @@ def test_stubbed_tiny_forward_takes_the_plan_through_the_public_function(stubbed
     assert len(launches) == 3 and len(set(map(repr, launches))) == 1
     memo = calls[0]
     assert all(m is memo for m in calls) and memo.plans is forward.plans and memo.plan is not forward.NO_PLAN
+
+
+@in_child
+@pytest.mark.parametrize("d, engine", [(64, "auto"), (128, "auto"), (128, "triton")])
+@pytest.mark.parametrize("case", ["full", "alibi", "dropout"])
+def test_stubbed_planned_calls_launch_directly_what_the_ordinary_launch_got(monkeypatch, d, engine, case):
+    """Through the real launch layer: the first planned call of a class is Triton's ordinary
+    launch, the next ones call the compiled kernel's launcher directly -- with the same
+    runtime arguments (fresh outputs aside) followed by the constexprs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import profile_host_cpu
+    from triton.runtime.jit import JITFunction
+
+    from flashtile.kernels.attention import forward
+
+    if engine == "auto" and case != "full" and d == 128:
+        pytest.skip("the Gluon engine takes no ALiBi or dropout")
+    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
+    q, k, v = _qkv((1, 128, 8, d), (1, 128, 8, d), dtype=torch.bfloat16)
+    params = _STUB_PARAMS[case]
+    if case == "alibi":
+        params = AttentionParams(0.125, alibi_slopes=torch.rand(8))
+    inputs = {q.data_ptr(): "q", k.data_ptr(): "k", v.data_ptr(): "v"}
+    ordinary, direct = [], []
+    forward.clear_plans()
+    try:
+        with profile_host_cpu.stubbed_gpu():
+            stub_run = JITFunction.run
+
+            def counting(self, *args, grid, warmup, **options):
+                ordinary.append((self.fn.__name__, grid, _describe(args, inputs), options))
+                compiled = stub_run(self, *args, grid=grid, warmup=warmup, **options)
+                monkeypatch.setattr(type(compiled), "run", lambda _, *a: direct.append(a))
+                return compiled
+
+            monkeypatch.setattr(JITFunction, "run", counting)
+            for _ in range(3):
+                forward.fwd(q, k, v, params)
+    finally:
+        forward.clear_plans()
+    assert len(ordinary) == 1 and len(direct) == 2
+    name, grid, args, options = ordinary[0]
+    assert (name == "attention_fwd_kernel") == (engine == "auto" and d == 128)
+    for call in direct:
+        assert tuple(call[:3]) == (grid + (1, 1))[:3]
+        assert _describe(call[9:9 + len(args)], inputs) == args

@@ -15,11 +15,11 @@ Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6
   a class at least as fine as Triton's: a tensor's dtype and whether its address is a
   multiple of 16; an int's range (i32 / i64 / wider), whether it equals 1 (Triton makes it
   a constexpr) and whether it is a multiple of 16; a float / bool / None by type; a tuple
-  element by element; a host TMA descriptor by its dtype, block shape, padding (and a Gluon
-  one's shared layout).  The constexprs and launch options are in the key by value, as is
-  the current device.  Two calls with one key therefore get one compiled kernel from
-  Triton, and the first call of every key goes through ``kernel[grid]`` itself, whose
-  returned kernel is the one cached.
+  element by element; a host TMA descriptor by its dtype, base alignment, block shape
+  (plain int dims only), padding (and a Gluon one's shared layout, by its text).  The
+  constexprs and launch options are in the key by value, as is the current device.  Two
+  calls with one key therefore get one compiled kernel from Triton, and the first call of
+  every key goes through ``kernel[grid]`` itself, whose returned kernel is the one cached.
 * The launcher (``CompiledKernel.run``) takes every parameter in signature order and
   ignores the constexpr ones (``None`` and ints equal to 1 included), so the runtime
   arguments are passed followed by the constexpr values, as ``JITFunction.run`` does.
@@ -29,16 +29,18 @@ Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6
   With a hook registered, or a pre-run hook on the kernel, every launch is ordinary.
 * Anything the key does not classify -- a numpy scalar, a list, a callable grid, a runtime
   argument passed by keyword -- makes that call an ordinary launch, so it is dispatched by
-  Triton as before.  So does Triton's interpreter (``TRITON_INTERPRET=1``: no compiled kernels) and ``torch.compile`` tracing (Dynamo
-  understands ``kernel[grid](...)``, not a raw launcher call).
+  Triton as before.  So does Triton's interpreter (``TRITON_INTERPRET=1``: no compiled
+  kernels) and ``torch.compile`` tracing (Dynamo understands ``kernel[grid](...)``, not a
+  raw launcher call).
 
 :func:`bind` goes one step further for a caller that launches one kernel again and again with
-the same grid, options and non-tensor arguments (a decoding step's launch plan): it keeps the
-compiled variant per the only classes that can still change -- each tensor's type, dtype and
-16-byte alignment, the ``dynamic`` ints' classes and the current device -- so a call costs a
-few C-level gathers and one dict look-up before the launcher.  Its first call of each class
-goes through :func:`launch` (ordinary launch, or a variant :func:`launch` already holds), and
-every rule above (interpreter, tracing, hooks, failures) applies to it unchanged.
+the same grid, options and non-tensor arguments (a launch plan): it keeps the compiled variant
+per the only classes that can still change -- each tensor's (and each host descriptor's base
+tensor's) type, dtype and 16-byte alignment, the ``dynamic`` ints' classes and the current
+device -- so a call costs a few C-level gathers and one dict look-up before the launcher.  Its
+first call of each class goes through :func:`launch` (ordinary launch, or a variant
+:func:`launch` already holds), and every rule above (interpreter, tracing, hooks, failures)
+applies to it unchanged.
 
 If a direct launch raises, that key is marked failed and the call (and every later one with
 that key) goes through the ordinary launch, which raises again if the error was the caller's
@@ -48,7 +50,9 @@ cannot hide behind the fallback.
 
 from __future__ import annotations
 
+import functools
 from functools import reduce
+from itertools import chain
 from operator import attrgetter, is_, itemgetter, or_
 
 import torch
@@ -101,12 +105,37 @@ def _arg_class(arg):
         classes = tuple(map(_arg_class, arg))
         return _UNCLASSIFIED if _UNCLASSIFIED in classes else (tuple, classes)
     if cls in _DESCRIPTORS:
-        # Triton specialises a host descriptor by its dtype and block shape (and a Gluon one by
-        # its shared layout); the base address, shape and strides are runtime values the
-        # launcher turns into a TMA descriptor at every launch.  The padding is a runtime value
-        # too; keyed all the same (finer is safe).
-        return (cls, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None), arg.padding)
+        # Triton specialises a host descriptor by its dtype and the text of its block shape (and
+        # a Gluon one by the text of its shared layout); the base address, shape and strides
+        # are runtime values the launcher turns into a TMA descriptor at every launch.  The
+        # padding and whether the base is 16-byte aligned (TMA needs it) are keyed all the
+        # same (finer is safe).  Equal values can print apart (True and 1; a layout's
+        # transposed=0 and False), so the block shape is keyed only when its dims are plain
+        # ints, and the layout by its text.
+        block = tuple(arg.block_shape)
+        if not all(dim.__class__ is int for dim in block):
+            return _UNCLASSIFIED
+        layout = getattr(arg, "layout", None)
+        base = arg.base
+        return (cls, base.dtype, base.data_ptr() & 15 == 0, block, None if layout is None else _layout_text(layout),
+                arg.padding)
     return _UNCLASSIFIED
+
+
+_layout_texts: dict[int, tuple] = {}  # id(layout) -> (the layout, its text)
+_MAX_LAYOUT_TEXTS = 256
+
+
+def _layout_text(layout) -> str:
+    """``str(layout)``, what Triton's specialisation prints, memoised per layout object (a Gluon
+    layout is a frozen dataclass: its text is fixed when it is built).  The memo keeps the
+    layouts it holds alive, so an id stays its object's."""
+    entry = _layout_texts.get(id(layout))
+    if entry is None or entry[0] is not layout:
+        if len(_layout_texts) >= _MAX_LAYOUT_TEXTS:
+            _layout_texts.clear()
+        entry = _layout_texts[id(layout)] = (layout, str(layout))
+    return entry[1]
 
 
 _constant_tuples: dict[int, tuple] = {}  # id(tuple) -> (the tuple, its class)
@@ -342,8 +371,9 @@ class BoundLaunch:
     """One kernel launched with one grid, one set of options and the same non-tensor
     arguments at every call but for the ``dynamic`` ints: see :func:`bind`."""
 
-    __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "statics", "static_values",
-                 "dynamic_of", "tail", "variants", "generation")
+    __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "descs", "desc_sample",
+                 "desc_fields", "layout_descs", "layouts", "statics", "static_values", "dynamic_of", "tail",
+                 "tail_tensors", "variants", "generation")
 
     def __init__(self, kernel, grid, options, args, dynamic, tail_from):
         n = len(args) if tail_from is None else tail_from
@@ -351,72 +381,111 @@ class BoundLaunch:
         self.grid3 = (grid + (1, 1))[:3] if grid.__class__ is tuple else None
         self.n_head = n
         self.tail = tuple(args[n:])
-        if any(isinstance(a, torch.Tensor) for a in self.tail) or any(i >= n for i in self.dynamic):
-            raise ValueError("bind: the arguments from tail_from on must hold no tensor and no dynamic position")
-        tensors = [i for i, a in enumerate(args[:n]) if isinstance(a, torch.Tensor) and i not in self.dynamic]
+        if any(a.__class__ in _DESCRIPTORS for a in self.tail) or any(i >= n for i in self.dynamic):
+            raise ValueError("bind: the arguments from tail_from on must hold no descriptor and no dynamic position")
+        # The tail's tensors (placeholders, say), each distinct one once: classified at every
+        # call with the head's, since a tensor's address is not fixed by its identity alone.
+        tail_tensors = []
+        for a in self.tail:
+            if isinstance(a, torch.Tensor) and not any(a is t for t in tail_tensors):
+                tail_tensors.append(a)
+        self.tail_tensors = tuple(tail_tensors)
+        head = tuple(args[:n])
+        tensors = [i for i, a in enumerate(head) if isinstance(a, torch.Tensor) and i not in self.dynamic]
+        descs = [i for i, a in enumerate(head) if a.__class__ in _DESCRIPTORS and i not in self.dynamic]
         self.tensors = _getter(tensors)
-        statics = [i for i in range(n) if i not in tensors and i not in self.dynamic]
+        # A descriptor position: the class, block shape and padding (and a Gluon descriptor's
+        # shared layout) must be the sample's very objects at every call.
+        self.descs = _getter(descs) if descs else None
+        with_layout = [i for i in descs if hasattr(head[i], "layout")]
+        # The layouts are read with the other fields when every descriptor has one.
+        self.desc_fields = _desc_fields_layout if with_layout and len(with_layout) == len(descs) else _desc_fields
+        self.desc_sample = tuple(chain.from_iterable(map(self.desc_fields, self.descs(head)))) if descs else ()
+        mixed = with_layout and self.desc_fields is _desc_fields
+        self.layout_descs = _getter(with_layout) if mixed else None
+        self.layouts = tuple(head[i].layout for i in with_layout) if mixed else ()
+        statics = [i for i in range(n) if i not in tensors and i not in descs and i not in self.dynamic]
         self.statics = _getter(statics)
-        self.static_values = self.statics(args)
+        self.static_values = self.statics(head)
         # One dynamic position (the usual case) is read directly; several through a getter.
-        self.dynamic_of = self.dynamic[0] if len(self.dynamic) == 1 else _getter(list(self.dynamic))
+        self.dynamic_of = (None if not self.dynamic else self.dynamic[0] if len(self.dynamic) == 1
+                           else _getter(list(self.dynamic)))
         self.variants = {}
         self.generation = _generation
 
     def __call__(self, head: tuple) -> None:
         """``launch(kernel, grid, head + tail, options, dynamic)``: ``head`` holds tensors (any)
-        where the binding call had tensors, the ``dynamic`` values (any), and elsewhere the
-        binding call's very objects; a call that does not is handed to :func:`launch` whole."""
-        kernel = self.kernel
-        args = head + self.tail if self.tail else head
+        where the binding call had tensors, descriptors sharing the binding call's class, block
+        shape, padding and layout objects where it had descriptors (any base), the ``dynamic``
+        values (any), and elsewhere the binding call's very objects; a call that does not is
+        handed to :func:`launch` whole."""
         if (len(head) != self.n_head or not all(map(is_, self.statics(head), self.static_values)) or INTERPRET
                 or self.grid3 is None or torch.compiler.is_compiling()):
-            launch(kernel, self.grid, args, self.options, self.dynamic)
+            launch(self.kernel, self.grid, head + self.tail, self.options, self.dynamic)
             return
         if self.generation is not _generation:  # clear() was called: forget the variants too
             self.variants.clear()
             self.generation = _generation
-        tensors = self.tensors(head)
         try:
+            tensors = self.tensors(head)
+            descs = self.descs
+            if descs is not None:
+                descs = descs(head)
+                if not (all(map(is_, chain.from_iterable(map(self.desc_fields, descs)), self.desc_sample))
+                        and (self.layout_descs is None
+                             or all(map(is_, map(_layout, self.layout_descs(head)), self.layouts)))):
+                    launch(self.kernel, self.grid, head + self.tail, self.options, self.dynamic)
+                    return
+                # Keyed like tensors: Triton's variant depends on a descriptor's base dtype
+                # alone (the rest is the sample's); TMA needs the base 16-byte aligned.
+                tensors += tuple(map(_base, descs))
+            tensors += self.tail_tensors
             # All 16-byte aligned (the usual case) is one class; otherwise each tensor's own.
             aligned = True if not reduce(or_, map(_data_ptr, tensors), 0) & 15 else \
                 tuple(not p & 15 for p in map(_data_ptr, tensors))
             dtypes = tuple(map(_dtype, tensors))
-        except (TypeError, AttributeError):  # not a tensor where the binding call had one
-            launch(kernel, self.grid, args, self.options, self.dynamic)
+        except (TypeError, AttributeError):  # not a tensor / descriptor where the binding call had one
+            launch(self.kernel, self.grid, head + self.tail, self.options, self.dynamic)
             return
         dyn_of = self.dynamic_of
-        if dyn_of.__class__ is int:
+        if dyn_of is None:
+            dyn = None
+        elif dyn_of.__class__ is int:
             a = head[dyn_of]
             dyn = _tuple_class(a) if a.__class__ is tuple else _arg_class(a)
-        elif self.dynamic:
-            dyn = tuple(_tuple_class(a) if a.__class__ is tuple else _arg_class(a) for a in dyn_of(head))
         else:
-            dyn = None
+            dyn = tuple(_tuple_class(a) if a.__class__ is tuple else _arg_class(a) for a in dyn_of(head))
         device = _device_functions[0]() if _device_functions is not None else None
         key = (device, tuple(map(type, tensors)), dtypes, aligned, dyn)
         entry = self.variants.get(key)
+        kernel = self.kernel
         if entry is None:
             # The first call of this class (or a class launch() left undecided): launch() keys
             # it in full, launches it and says what later calls may do.
-            entry = _launch(kernel, self.grid, args, self.options, self.dynamic)
+            entry = _launch(kernel, self.grid, head + self.tail, self.options, self.dynamic)
             if entry is not None and dyn is not _UNCLASSIFIED and _UNCLASSIFIED not in (dyn or ()):
                 if len(self.variants) >= _MAX_VARIANTS:
                     self.variants.clear()
                 self.variants[key] = entry
             return
         if entry is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
-            _ordinary(kernel, self.grid, args, self.options)
+            _ordinary(kernel, self.grid, head + self.tail, self.options)
             return
         compiled, tail = entry
         try:
             compiled.run(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, None,
-                         None, None, *args, *tail)
+                         None, None, *head, *self.tail, *tail)
         except Exception:
             if RAISE_DIRECT_ERRORS:
                 raise
             self.variants[key] = _FAILED
-            _ordinary(kernel, self.grid, args, self.options)
+            _ordinary(kernel, self.grid, head + self.tail, self.options)
+
+
+_desc_fields = attrgetter("__class__", "block_shape", "padding")
+_desc_fields_layout = attrgetter("__class__", "block_shape", "padding", "layout")
+_layout = attrgetter("layout")
+_base = attrgetter("base")
 
 
 def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), tail_from: int | None = None) \
@@ -425,17 +494,37 @@ def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), t
     ``launch(kernel, grid, args, options, dynamic)``, cheaper per call.
 
     ``args`` is a sample of the runtime arguments.  A later call must pass, at every position
-    holding a tensor in the sample, a tensor (any dtype, address, shape), at the ``dynamic``
-    positions any value, and at every other position the sample's very object (``is``: the
-    caller keeps its ints, floats and flags in one place, such as a launch plan).  Then the
-    compiled variant depends only on the tensors' types, dtypes and alignment, the dynamic
-    arguments' classes and the current device, which are the bound launcher's key; a call
-    that breaks the rule goes through :func:`launch` and its full key, so it is still exact.
+    holding a tensor in the sample, a tensor (any dtype, address, shape); at every position
+    holding a host TMA descriptor, a descriptor over any tensor whose class, ``block_shape``,
+    ``padding`` and (a Gluon descriptor's) ``layout`` are the sample descriptor's very objects
+    (descriptors built from one ``flashtile.kernels.tma.DescriptorTemplate`` share them); at the
+    ``dynamic`` positions any value; and at every other position the sample's very object
+    (``is``: the caller keeps its ints, floats and flags in one place, such as a launch plan).
+    Then the compiled variant depends only on the tensors' and the descriptors' bases' types,
+    dtypes and alignment, the dynamic arguments' classes and the current device, which are the
+    bound launcher's key; a call that breaks the rule goes through :func:`launch` and its full
+    key, so it is still exact.
 
-    ``tail_from``: the arguments from this position on (no tensor, no dynamic one among them)
-    are the bound launcher's own: a call passes only ``args[:tail_from]``, and nothing of
-    the tail needs checking."""
+    Why a descriptor's objects suffice: Triton specialises a descriptor by its class, its
+    base's dtype and the text of its block shape and layout (see :func:`_arg_class`).  A Gluon
+    layout is a frozen dataclass, and a block-shape list is never written once its descriptor
+    is built (Triton's constructor validates it there; a template's descriptors share it), so
+    the sample's objects mean the sample's texts at every call.
+
+    ``tail_from``: the arguments from this position on (no descriptor and no dynamic one among
+    them) are the bound launcher's own: a call passes only ``args[:tail_from]``.  Nothing of
+    the tail needs checking but its tensors (placeholders for pointers a kernel does not
+    read), which are classified at every call as the call's own are, each distinct one once."""
     return BoundLaunch(kernel, grid, options, args, dynamic, tail_from)
+
+
+@functools.lru_cache(maxsize=None)
+def placeholder(device: torch.device) -> torch.Tensor:
+    """One float32 tensor per device for pointer arguments a kernel does not read (behind a
+    constexpr flag).  Triton specialises it as it does any fresh float32 tensor (16-byte
+    aligned); as a constant it can sit in a bound launcher's tail, where it is classified
+    once per call however many arguments it stands for."""
+    return torch.empty(4, dtype=torch.float32, device=device)
 
 
 _generation = object()  # replaced by clear(): bound launchers forget their variants

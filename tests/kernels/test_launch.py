@@ -270,6 +270,196 @@ def test_argument_classes_are_at_least_as_fine_as_tritons_specialisation():
     assert launch_mod._arg_class((1, [2])) is launch_mod._UNCLASSIFIED
 
 
+def test_descriptor_classes_follow_the_text_triton_specialises():
+    """A block shape with a dim that equals an int but prints apart (True for 1) is not keyed;
+    equal Gluon layouts that print apart are two classes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    grid4 = torch.zeros(2, 64, 4, 64, dtype=torch.bfloat16)
+    desc = TensorDescriptor(grid4, list(grid4.shape), list(grid4.stride()), [1, 64, 1, 64])
+    assert launch_mod._arg_class(desc) is not launch_mod._UNCLASSIFIED
+    desc.block_shape = [True, 64, 1, 64]
+    assert launch_mod._arg_class(desc) is launch_mod._UNCLASSIFIED
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    layouts = [gl.NVMMASharedLayout(128, 16, rank=4, transposed=t) for t in (False, 0)]
+    assert layouts[0] == layouts[1] and str(layouts[0]) != str(layouts[1])
+    classes = {launch_mod._arg_class(GluonDescriptor(grid4, list(grid4.shape), list(grid4.stride()), [1, 64, 1, 64],
+                                                     layout)) for layout in layouts}
+    assert len(classes) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Bound launchers (launch.bind)
+# ---------------------------------------------------------------------------------------
+
+
+def _grid4(dtype=torch.float32, offset=0):
+    """A (2, 16, 2, 8) tensor whose base is ``offset`` elements past an allocation's."""
+    flat = torch.zeros(2 * 16 * 2 * 8 + offset, dtype=dtype)
+    return flat[offset:].view(2, 16, 2, 8)
+
+
+def _template(block=(1, 4, 1, 8), layout=None):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashtile.kernels.tma import DescriptorTemplate
+
+    t = _grid4()
+    if layout is None:
+        return DescriptorTemplate(TensorDescriptor(t, list(t.shape), list(t.stride()), list(block)))
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    return DescriptorTemplate(GluonDescriptor(t, list(t.shape), list(t.stride()), list(block), layout))
+
+
+def test_bound_launches_are_direct_with_the_calls_tensors_and_descriptors(toy):
+    kernel, calls = toy
+    template = _template()
+    bound = launch_mod.bind(kernel, (2,), dict(BLOCK=16), (template.over(_grid4()), torch.zeros(8), 40, 0.5),
+                            tail_from=2)
+    passed = []
+    for _ in range(3):
+        head = (template.over(_grid4()), torch.zeros(8))
+        passed.append(head)
+        bound(head)
+    assert _kinds(calls) == ["ordinary", "direct", "direct"]
+    assert calls[0][1:] == ((2,), passed[0] + (40, 0.5), dict(BLOCK=16))
+    for (_, args), head in zip(calls[1:], passed[1:]):
+        assert args[:9] == (2, 1, 1, 1234, "function-handle", "packed-metadata", None, None, None)
+        assert args[9] is head[0] and args[10] is head[1] and args[11:] == (40, 0.5, 16, False)
+
+
+def _gluon_layouts():
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    return [gl.NVMMASharedLayout(swizzle, 32, rank=4, transposed=t) for swizzle, t in ((32, False), (64, False),
+                                                                                       (32, 0))]
+
+
+@pytest.mark.parametrize("change", ["block_shape", "block_shape_with_a_bool", "dtype", "misaligned_base", "padding",
+                                    "class", "layout", "layout_printing_apart", "tensor_for_descriptor"])
+def test_a_descriptor_of_another_class_does_not_reuse_the_bound_variant(toy, change):
+    """The sample's class for two calls, then a changed descriptor twice: Triton compiles it
+    (its first call is ordinary) unless it is launched the ordinary way for good."""
+    kernel, calls = toy
+    gluon = change in ("class", "layout", "layout_printing_apart")
+    layouts = _gluon_layouts() if gluon else [None]
+    template = _template(layout=layouts[0] if change != "class" else None)
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (template.over(_grid4()), torch.zeros(8), 40, 0.5),
+                            tail_from=2)
+    for _ in range(2):
+        bound((template.over(_grid4()), torch.zeros(8)))
+
+    def changed():
+        if change == "block_shape":
+            return _template(block=(1, 8, 1, 8)).over(_grid4())
+        if change == "block_shape_with_a_bool":
+            desc = template.over(_grid4())
+            desc.block_shape = [True, 4, 1, 8]
+            return desc
+        if change == "dtype":
+            return template.over(_grid4(torch.float16))
+        if change == "misaligned_base":
+            return template.over(_grid4(offset=1))
+        if change == "padding":
+            desc = template.over(_grid4())
+            desc.padding = "nan"
+            return desc
+        if change == "class":
+            return _template(layout=layouts[0]).over(_grid4())
+        if change == "layout":
+            return _template(layout=layouts[1]).over(_grid4())
+        if change == "layout_printing_apart":  # equal to the sample's layout, another text for Triton
+            return _template(layout=layouts[2]).over(_grid4())
+        return _grid4()
+
+    for _ in range(2):
+        bound((changed(), torch.zeros(8)))
+    ordinary_for_good = change == "block_shape_with_a_bool"
+    assert _kinds(calls) == ["ordinary", "direct", "ordinary", "ordinary" if ordinary_for_good else "direct"]
+
+
+def test_bound_statics_are_the_samples_objects(toy):
+    """A call passing another object where the sample had a non-tensor goes through launch()
+    and its full key: a new class (48, a multiple of 16) compiles."""
+    kernel, calls = toy
+    x, y = torch.zeros(8), torch.zeros(8)
+    args = (x, y, 40, 0.5)
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), args)
+    bound(args)
+    bound(args)
+    bound((x, y, 48, 0.5))
+    bound((x, y, 48, 0.5))
+    assert _kinds(calls) == ["ordinary", "direct", "ordinary", "direct"]
+
+
+def test_bound_tail_tensors_are_classified_at_every_call(toy):
+    kernel, calls = toy
+    x, placeholder = torch.zeros(8), torch.zeros(8)
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (x, placeholder, 40, 0.5), tail_from=1)
+    bound((torch.zeros(8),))
+    bound((torch.zeros(8),))
+    assert calls[1][1][10] is placeholder
+    placeholder.set_(torch.zeros(16).untyped_storage(), 1, (8,))  # now 4 bytes past a 16-byte boundary
+    bound((torch.zeros(8),))
+    bound((torch.zeros(8),))
+    assert _kinds(calls) == ["ordinary", "direct", "ordinary", "direct"]
+    with pytest.raises(ValueError, match="no descriptor"):
+        launch_mod.bind(kernel, (1,), dict(BLOCK=16), (x, _template().over(_grid4()), 40, 0.5), tail_from=1)
+
+
+def test_bound_launchers_keep_every_fallback(toy, monkeypatch):
+    """Hooks, a pre-run hook, tracing and the interpreter launch the ordinary way; clear()
+    makes the next launch ordinary again; a failing direct launch falls back for good, or
+    raises under RAISE_DIRECT_ERRORS."""
+    kernel, calls = toy
+    template = _template()
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (template.over(_grid4()), torch.zeros(8), 40, 0.5),
+                            tail_from=2)
+
+    def call():
+        bound((template.over(_grid4()), torch.zeros(8)))
+
+    call()
+    call()
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        call()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    kernel.add_pre_run_hook(lambda *a, **k: None)
+    call()
+    kernel.pre_run_hooks.clear()
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        call()
+    with monkeypatch.context() as m:
+        m.setattr(launch_mod, "INTERPRET", True)
+        call()
+    call()
+    launch_mod.clear()
+    call()
+    call()
+    assert _kinds(calls) == ["ordinary", "direct"] + ["ordinary"] * 4 + ["direct", "ordinary", "direct"]
+
+    compiled = launch_mod.compiled_variants(kernel)[0]
+    with monkeypatch.context() as m:
+        m.setattr(launch_mod, "RAISE_DIRECT_ERRORS", True)
+        m.setattr(type(compiled), "run", lambda self, *a: (_ for _ in ()).throw(RuntimeError("launcher failed")))
+        with pytest.raises(RuntimeError, match="launcher failed"):
+            call()
+        del calls[:]
+        m.setattr(launch_mod, "RAISE_DIRECT_ERRORS", False)
+        call()  # the direct launch fails: relaunched the ordinary way
+        call()  # marked failed: ordinary from now on
+    assert _kinds(calls) == ["ordinary", "ordinary"]
+
+
 # ---------------------------------------------------------------------------------------
 # GPU: direct launches of the decode kernels are bitwise the ordinary launches
 # ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from flashtile.kernels.attention.layout import Layout, dropout_args, fast_descri
 from flashtile.kernels.dropout import dropout_scale
 from flashtile.kernels.engine import engine_setting, forward_engine
 from flashtile.kernels.launch import constant as launch_constant
-from flashtile.kernels.launch import launch
+from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, online_max, score_mod, score_mod_args
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
@@ -195,13 +195,15 @@ def fwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> TileConfi
 def _unpaged_args(device: torch.device) -> tuple:
     """The kernel's ``paged_kv`` tuple without paged keys: placeholders it never reads (not
     ``PAGED``), one constant tuple per device, so the launch layer classifies it once."""
-    placeholder = torch.empty(4, dtype=torch.float32, device=device)
-    return launch_constant((placeholder, placeholder, placeholder, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+    unread = placeholder(device)
+    return launch_constant((unread, unread, unread, 0, 0, 0, 0, 0, 0, 0, 0, 0))
 
 
 # The forward's runtime arguments that change from call to call (dropout's seed and counter
-# offset), for the launch layer's key.
+# offset), for the launch layer's key; a plan's bound launcher takes dropout_p from each call
+# too (its plan's key holds only whether there is dropout).
 _FWD_DYNAMIC = (25, 26)
+_FWD_BOUND_DYNAMIC = (24, 25, 26)
 
 
 def _forward(layout, q, k, v, params: AttentionParams, config):
@@ -219,7 +221,8 @@ def _forward(layout, q, k, v, params: AttentionParams, config):
     out_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
     grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
-    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
+    unread = placeholder(q.device)  # the pointers the kernel does not read (no ALiBi, not packed)
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, unread)
     drop = dropout_args(dropout)
     table = layout.block_table
     if table is None:
@@ -234,7 +237,8 @@ def _forward(layout, q, k, v, params: AttentionParams, config):
         stride_bt, page_size = table.stride(0), k.shape[1]
     launch(_attn_fwd, grid, (
         layout.tiles(q_, cfg.block_m, hd, fast_descriptor), k_desc, v_desc, paged_kv, stride_bt,
-        layout.tiles(out_, cfg.block_m, hd, fast_descriptor), out_, lse, mods["alibi"], mods["stride_ab"], *layout.seq_args(lse),
+        layout.tiles(out_, cfg.block_m, hd, fast_descriptor), out_, lse, mods["alibi"], mods["stride_ab"],
+        *layout.seq_args(unread),
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k,
         softmax_scale * LOG2E, window_left, window_right,
         mods["softcap_scale"], mods["softcap_log2"], drop["dropout_p"], drop["seed"], drop["rng_offset"],
@@ -305,15 +309,12 @@ def _dense_plan(q, k, v, params: AttentionParams):
     lse_template = torch.empty(lse_shape, dtype=torch.float32, device=device)
     q_desc, k_desc, v_desc, o_desc = (DescriptorTemplate(layout.tiles(t, rows, hd, fast_descriptor)) for t, rows in (
         (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out_template, cfg.block_m)))
-    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse_template)
+    unread = placeholder(device)
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, unread)
     has_alibi, alibi_contiguous = alibi_slopes is not None, alibi_slopes is None or alibi_slopes.is_contiguous()
     has_dropout = dropout is not None
     grid = (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,)
-    paged_kv, stride_ab = _unpaged_args(device), mods["stride_ab"]
-    mid = (*layout.lse_strides, layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads,
-           layout.nheads // layout.nheads_k, softmax_scale * LOG2E, window_left, window_right, mods["softcap_scale"],
-           mods["softcap_log2"])
-    rng_cols = layout.rng_cols
+    paged_kv = _unpaged_args(device)
     options = dict(
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
@@ -322,6 +323,21 @@ def _dense_plan(q, k, v, params: AttentionParams):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     q_over, k_over, v_over, o_over = q_desc.over, k_desc.over, v_desc.over, o_desc.over
+    # A bound launcher (``flashtile.kernels.launch.bind``): the descriptors come from the
+    # templates, every other non-tensor argument is this plan's own object, so a call is keyed
+    # on its tensors' dtypes and alignment alone.  A call passes the arguments up to the last
+    # one of its own -- the output and LSE, the ALiBi slopes, or dropout's p, seed and offset
+    # (dynamic: the plan's key holds only whether there is dropout) -- and the launcher holds
+    # the rest.
+    args = (q_over(q), k_over(k), v_over(v), paged_kv, 0, o_over(out_template), out_template, lse_template,
+            mods["alibi"], mods["stride_ab"], unread, unread, *layout.lse_strides, layout.rows_q, layout.rows_k,
+            layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, softmax_scale * LOG2E, window_left,
+            window_right, mods["softcap_scale"], mods["softcap_log2"], 0.0, 0, 0, layout.rng_cols)
+    if has_dropout:
+        bound = bind(_attn_fwd, grid, options, args, _FWD_BOUND_DYNAMIC, tail_from=_FWD_BOUND_DYNAMIC[-1] + 1)
+        mid = args[9:_FWD_BOUND_DYNAMIC[0]]
+    else:
+        bound = bind(_attn_fwd, grid, options, args, tail_from=9 if has_alibi else 8)
 
     def run(q, k, v, params: AttentionParams):
         # The key fixed everything but the bases; TMA needs them 16-byte aligned.
@@ -330,15 +346,14 @@ def _dense_plan(q, k, v, params: AttentionParams):
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
         lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
-        alibi = lse
+        head = (q_over(q), k_over(k), v_over(v), paged_kv, 0, o_over(out), out, lse)
         if has_alibi:
-            alibi = params.alibi_slopes if alibi_contiguous else params.alibi_slopes.contiguous()
+            head += (params.alibi_slopes if alibi_contiguous else params.alibi_slopes.contiguous(),)
+        elif has_dropout:
+            head += (unread,)
         if has_dropout:
-            rng = (float(params.dropout_p), int(params.seed), int(params.offset), rng_cols)
-        else:
-            rng = (0.0, 0, 0, rng_cols)
-        launch(_attn_fwd, grid, (q_over(q), k_over(k), v_over(v), paged_kv, 0, o_over(out), out, lse, alibi, stride_ab,
-                                 lse, lse) + mid + rng, options, dynamic=_FWD_DYNAMIC)
+            head += mid + (float(params.dropout_p), int(params.seed), int(params.offset))
+        bound(head)
         return out, lse
 
     return run

@@ -47,7 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.launch import launch
+from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, sm_count
 from flashtile.kernels.tile_info import dealt_tile, sequence_bounds
@@ -447,7 +447,8 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         stride_ob, stride_om, stride_oh = 0, out.stride(0), out.stride(1)
     else:
         stride_ob, stride_om, stride_oh = out.stride(0), out.stride(1), out.stride(2)
-    cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse)
+    unread = placeholder(q.device)  # the pointers the kernel does not read (not packed, not FP8)
+    cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(unread)
     num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
     if num_items == 0:
         return out, lse
@@ -456,7 +457,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     # launched directly (descriptors are classified by dtype, box and shared layout).
     launch(attention_fwd_kernel, grid, (
         layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
-        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k, lse,  # no descales (16-bit inputs)
+        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k, unread,  # no descales (16-bit inputs)
         stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0,
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
         softmax_scale * LOG2E, window_left, window_right, num_items,
@@ -485,18 +486,26 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
     out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
     templates = tuple(DescriptorTemplate(layout.tiles(t, rows, hd, descriptor))
                       for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)))
-    out_strides = torch.empty(out_shape, dtype=dtype, device=device).stride()
     num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
     grid = (min(num_items, sm_count(device.index)) if cfg.persistent else num_items,)
-    tail = (*out_strides[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads,
-            layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E, window_left, window_right, num_items)
+    q_over, k_over, v_over = (t.over for t in templates)
+    sample_out = torch.empty(out_shape, dtype=dtype, device=device)
+    sample_lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    unread = placeholder(device)  # cu_seqlens and descales: not read by the dense 16-bit kernel
+    args = (q_over(q), k_over(k), v_over(v), sample_out, sample_lse, unread, unread, unread,
+            *sample_out.stride()[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k, layout.seqlen_q,
+            layout.nheads, layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E, window_left, window_right,
+            num_items)
     options = dict(
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=False, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
-    q_over, k_over, v_over = (t.over for t in templates)
+    # A bound launcher (``flashtile.kernels.launch.bind``): the descriptors come from the
+    # templates; the placeholders, ints and scale are its own tail, so a call passes its five
+    # tensors and is keyed on their dtypes and alignment alone.
+    bound = bind(attention_fwd_kernel, grid, options, args, tail_from=5)
 
     def run(q, k, v, params):
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
@@ -504,8 +513,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
         lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
-        # cu_seqlens and descales: placeholders the dense 16-bit kernel does not read.
-        launch(attention_fwd_kernel, grid, (q_over(q), k_over(k), v_over(v), out, lse, lse, lse, lse) + tail, options)
+        bound((q_over(q), k_over(k), v_over(v), out, lse))
         return out, lse
 
     return run
