@@ -246,7 +246,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(forward, "launch", recording)
     monkeypatch.setattr(attention_fwd, "launch", recording)
     monkeypatch.setattr(launch_mod.BoundLaunch, "__call__",
-                        lambda self, head: recording(self.kernel, self.grid, head + self.tail, self.options))
+                        lambda self, head: recording(self.kernel, self.grid, self.arguments(head), self.options))
     forward.clear_plans()
     with profile_host_cpu.stubbed_gpu():
         yield launches, inputs

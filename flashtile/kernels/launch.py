@@ -61,6 +61,7 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from flashtile.kernels.runtime import INTERPRET
+from flashtile.kernels.tma import DescriptorTemplate
 
 # Tests set this so that a failing direct launch raises instead of falling back.
 RAISE_DIRECT_ERRORS = False
@@ -373,7 +374,7 @@ class BoundLaunch:
 
     __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "descs", "desc_sample",
                  "desc_fields", "layout_descs", "layouts", "statics", "static_values", "dynamic_of", "tail",
-                 "tail_tensors", "variants", "generation")
+                 "tail_tensors", "builds", "variants", "generation")
 
     def __init__(self, kernel, grid, options, args, dynamic, tail_from):
         n = len(args) if tail_from is None else tail_from
@@ -381,8 +382,10 @@ class BoundLaunch:
         self.grid3 = (grid + (1, 1))[:3] if grid.__class__ is tuple else None
         self.n_head = n
         self.tail = tuple(args[n:])
-        if any(a.__class__ in _DESCRIPTORS for a in self.tail) or any(i >= n for i in self.dynamic):
-            raise ValueError("bind: the arguments from tail_from on must hold no descriptor and no dynamic position")
+        if (any(a.__class__ in _DESCRIPTORS or a.__class__ is DescriptorTemplate for a in self.tail)
+                or any(i >= n for i in self.dynamic)):
+            raise ValueError("bind: the arguments from tail_from on must hold no descriptor, no template and no "
+                             "dynamic position")
         # The tail's tensors (placeholders, say), each distinct one once: classified at every
         # call with the head's, since a tensor's address is not fixed by its identity alone.
         tail_tensors = []
@@ -391,7 +394,12 @@ class BoundLaunch:
                 tail_tensors.append(a)
         self.tail_tensors = tuple(tail_tensors)
         head = tuple(args[:n])
-        tensors = [i for i, a in enumerate(head) if isinstance(a, torch.Tensor) and i not in self.dynamic]
+        if any(head[i].__class__ is DescriptorTemplate for i in self.dynamic):
+            raise ValueError("bind: a template's position cannot be dynamic")
+        # A template's position takes a tensor, over which the launcher builds the descriptor.
+        self.builds = tuple((i, a.over) for i, a in enumerate(head) if a.__class__ is DescriptorTemplate)
+        tensors = [i for i, a in enumerate(head) if (isinstance(a, torch.Tensor) or a.__class__ is DescriptorTemplate)
+                   and i not in self.dynamic]
         descs = [i for i, a in enumerate(head) if a.__class__ in _DESCRIPTORS and i not in self.dynamic]
         self.tensors = _getter(tensors)
         # A descriptor position: the class, block shape and padding (and a Gluon descriptor's
@@ -414,14 +422,14 @@ class BoundLaunch:
         self.generation = _generation
 
     def __call__(self, head: tuple) -> None:
-        """``launch(kernel, grid, head + tail, options, dynamic)``: ``head`` holds tensors (any)
-        where the binding call had tensors, descriptors sharing the binding call's class, block
-        shape, padding and layout objects where it had descriptors (any base), the ``dynamic``
-        values (any), and elsewhere the binding call's very objects; a call that does not is
-        handed to :func:`launch` whole."""
+        """``launch(kernel, grid, self.arguments(head), options, dynamic)``: ``head`` holds
+        tensors (any) where the binding call had tensors or templates, descriptors sharing the
+        binding call's class, block shape, padding and layout objects where it had descriptors
+        (any base), the ``dynamic`` values (any), and elsewhere the binding call's very objects;
+        a call that does not is handed to :func:`launch` whole."""
         if (len(head) != self.n_head or not all(map(is_, self.statics(head), self.static_values)) or INTERPRET
                 or self.grid3 is None or torch.compiler.is_compiling()):
-            launch(self.kernel, self.grid, head + self.tail, self.options, self.dynamic)
+            launch(self.kernel, self.grid, self.arguments(head), self.options, self.dynamic)
             return
         if self.generation is not _generation:  # clear() was called: forget the variants too
             self.variants.clear()
@@ -434,7 +442,7 @@ class BoundLaunch:
                 if not (all(map(is_, chain.from_iterable(map(self.desc_fields, descs)), self.desc_sample))
                         and (self.layout_descs is None
                              or all(map(is_, map(_layout, self.layout_descs(head)), self.layouts)))):
-                    launch(self.kernel, self.grid, head + self.tail, self.options, self.dynamic)
+                    launch(self.kernel, self.grid, self.arguments(head), self.options, self.dynamic)
                     return
                 # Keyed like tensors: Triton's variant depends on a descriptor's base dtype
                 # alone (the rest is the sample's); TMA needs the base 16-byte aligned.
@@ -445,7 +453,7 @@ class BoundLaunch:
                 tuple(not p & 15 for p in map(_data_ptr, tensors))
             dtypes = tuple(map(_dtype, tensors))
         except (TypeError, AttributeError):  # not a tensor / descriptor where the binding call had one
-            launch(self.kernel, self.grid, head + self.tail, self.options, self.dynamic)
+            launch(self.kernel, self.grid, self.arguments(head), self.options, self.dynamic)
             return
         dyn_of = self.dynamic_of
         if dyn_of is None:
@@ -462,24 +470,40 @@ class BoundLaunch:
         if entry is None:
             # The first call of this class (or a class launch() left undecided): launch() keys
             # it in full, launches it and says what later calls may do.
-            entry = _launch(kernel, self.grid, head + self.tail, self.options, self.dynamic)
+            entry = _launch(kernel, self.grid, self.arguments(head), self.options, self.dynamic)
             if entry is not None and dyn is not _UNCLASSIFIED and _UNCLASSIFIED not in (dyn or ()):
                 if len(self.variants) >= _MAX_VARIANTS:
                     self.variants.clear()
-                self.variants[key] = entry
+                # The launcher's own arguments and the constexprs follow the call's, in one tuple.
+                self.variants[key] = entry if entry is _FAILED else (entry[0], self.tail + entry[1])
             return
         if entry is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
-            _ordinary(kernel, self.grid, head + self.tail, self.options)
+            _ordinary(kernel, self.grid, self.arguments(head), self.options)
             return
         compiled, tail = entry
+        built = head
+        if self.builds:
+            built = list(head)
+            for i, over in self.builds:
+                built[i] = over(built[i])
         try:
             compiled.run(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, None,
-                         None, None, *head, *self.tail, *tail)
+                         None, None, *built, *tail)
         except Exception:
             if RAISE_DIRECT_ERRORS:
                 raise
             self.variants[key] = _FAILED
-            _ordinary(kernel, self.grid, head + self.tail, self.options)
+            _ordinary(kernel, self.grid, self.arguments(head), self.options)
+
+    def arguments(self, head: tuple) -> tuple:
+        """The runtime arguments a call with ``head`` launches with: ``head`` and the tail, a
+        descriptor built over the call's tensor at each template's position."""
+        if not self.builds:
+            return head + self.tail
+        args = list(head)
+        for i, over in self.builds:
+            args[i] = over(args[i])
+        return tuple(args) + self.tail
 
 
 _desc_fields = attrgetter("__class__", "block_shape", "padding")
@@ -511,8 +535,15 @@ def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), t
     is built (Triton's constructor validates it there; a template's descriptors share it), so
     the sample's objects mean the sample's texts at every call.
 
-    ``tail_from``: the arguments from this position on (no descriptor and no dynamic one among
-    them) are the bound launcher's own: a call passes only ``args[:tail_from]``.  Nothing of
+    At a position holding a ``flashtile.kernels.tma.DescriptorTemplate`` in the sample, a call
+    passes a tensor and the launch gets ``template.over(tensor)``: the descriptor's class,
+    block shape, padding and layout are the template's by construction, and the tensor is keyed
+    as any tensor is, so nothing of the descriptor needs checking.  The tensor must be one the
+    template is valid for (see ``DescriptorTemplate``), as a descriptor built by the caller
+    would have to be.
+
+    ``tail_from``: the arguments from this position on (no descriptor, no template and no
+    dynamic one among them) are the bound launcher's own: a call passes only ``args[:tail_from]``.  Nothing of
     the tail needs checking but its tensors (placeholders for pointers a kernel does not
     read), which are classified at every call as the call's own are, each distinct one once."""
     return BoundLaunch(kernel, grid, options, args, dynamic, tail_from)

@@ -34,23 +34,28 @@ def descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDes
 
 class DescriptorTemplate:
     """A built host descriptor without its tensor, to build the same descriptor over other
-    tensors cheaply (a launch plan makes one per operand and call).
+    tensors cheaply (a launch plan, or its bound launcher, makes one per operand and call).
 
     Valid for a tensor with the template tensor's dtype, shape and strides whose base is
     16-byte aligned: everything a descriptor's checks read then equals what passed them when
-    the template was built, so :meth:`over` skips them (a few microseconds per descriptor).
+    the template was built, so :attr:`over` skips them (a few microseconds per descriptor).
     The caller keeps to that (the plan's key holds dtype, shape and strides; it tests the
     alignment per call).  The descriptors share the template's shape, stride and block-shape
     lists, which nothing writes to."""
 
-    __slots__ = ("cls", "fields")
+    __slots__ = ("cls", "fields", "over")
 
     def __init__(self, desc):
-        self.cls = desc.__class__
-        self.fields = {name: value for name, value in desc.__dict__.items() if name != "base"}
+        self.cls = cls = desc.__class__
+        self.fields = fields = {name: value for name, value in desc.__dict__.items() if name != "base"}
+        new = object.__new__
 
-    def over(self, t: torch.Tensor):
-        desc = object.__new__(self.cls)
-        desc.__dict__.update(self.fields)
-        desc.base = t
-        return desc
+        # A closure rather than a method: no attribute look-ups per descriptor.
+        def over(t: torch.Tensor):
+            """The template's descriptor over ``t``."""
+            made = new(cls)
+            made.__dict__.update(fields)
+            made.base = t
+            return made
+
+        self.over = over

@@ -67,15 +67,23 @@ def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_sl
     subclass, no fake or functorch-wrapped tensor), nothing recording autograd (grad mode off,
     or no input requiring grad), and no tracing, torch-function or dispatch mode, functorch
     transform (vmap, grad) or ``torch.compile`` in progress, each of which needs the op."""
-    if not (q.is_cuda and q.__class__ is torch.Tensor and k.__class__ is torch.Tensor and v.__class__ is torch.Tensor):
+    if not (q.is_cuda and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor):
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (alibi_slopes is not None and alibi_slopes.requires_grad)):
+    if _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                               or (alibi_slopes is not None and alibi_slopes.requires_grad)):
         return False
-    if alibi_slopes is not None and alibi_slopes.__class__ is not torch.Tensor:
+    if alibi_slopes is not None and alibi_slopes.__class__ is not _Tensor:
         return False
-    return not (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-                or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling())
+    return not (_function_mode_enabled() or _dispatch_stack_depth() or _functorch_transforms_active()
+                or torch.compiler.is_compiling())
+
+
+# The state queries above, looked up once (C functions of torch's, read at every eager call).
+_Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_dispatch_stack_depth = torch._C._len_torch_dispatch_stack
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
 
 
 _kernels_forward = None  # flashtile.kernels.attention.forward, imported by the first GPU call (it imports Triton)

@@ -380,6 +380,28 @@ def test_a_descriptor_of_another_class_does_not_reuse_the_bound_variant(toy, cha
     assert _kinds(calls) == ["ordinary", "direct", "ordinary", "ordinary" if ordinary_for_good else "direct"]
 
 
+@pytest.mark.parametrize("change", [None, "dtype", "misaligned_base"])
+def test_a_template_position_takes_a_tensor_and_launches_the_templates_descriptor(toy, change):
+    kernel, calls = toy
+    template = _template()
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (template, torch.zeros(8), 40, 0.5), tail_from=2)
+    tensors = [_grid4() for _ in range(2)]
+    for t in tensors:
+        bound((t, torch.zeros(8)))
+    if change is not None:
+        for _ in range(2):
+            bound((_grid4(torch.float16) if change == "dtype" else _grid4(offset=1), torch.zeros(8)))
+    assert _kinds(calls) == ["ordinary", "direct"] + (["ordinary", "direct"] if change else [])
+    launched = (calls[0][2][0], calls[1][1][9])
+    for desc, t in zip(launched, tensors):
+        assert desc.__class__ is template.cls and desc.base is t
+        assert {name: value for name, value in vars(desc).items() if name != "base"} == template.fields
+    with pytest.raises(ValueError, match="no template"):
+        launch_mod.bind(kernel, (1,), dict(BLOCK=16), (torch.zeros(8), template, 40, 0.5), tail_from=1)
+    with pytest.raises(ValueError, match="cannot be dynamic"):
+        launch_mod.bind(kernel, (1,), dict(BLOCK=16), (template, torch.zeros(8), 40, 0.5), dynamic=(0,))
+
+
 def test_bound_statics_are_the_samples_objects(toy):
     """A call passing another object where the sample had a non-tensor goes through launch()
     and its full key: a new class (48, a multiple of 16) compiles."""

@@ -322,14 +322,13 @@ def _dense_plan(q, k, v, params: AttentionParams):
         VARLEN=False, DOT_PRECISION=dot_precision(dtype), PAGED=False, PAGE_SIZE=1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    q_over, k_over, v_over, o_over = q_desc.over, k_desc.over, v_desc.over, o_desc.over
-    # A bound launcher (``flashtile.kernels.launch.bind``): the descriptors come from the
-    # templates, every other non-tensor argument is this plan's own object, so a call is keyed
-    # on its tensors' dtypes and alignment alone.  A call passes the arguments up to the last
-    # one of its own -- the output and LSE, the ALiBi slopes, or dropout's p, seed and offset
-    # (dynamic: the plan's key holds only whether there is dropout) -- and the launcher holds
-    # the rest.
-    args = (q_over(q), k_over(k), v_over(v), paged_kv, 0, o_over(out_template), out_template, lse_template,
+    # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
+    # call's q, k, v and output from the templates, every other non-tensor argument is this
+    # plan's own object, so a call is keyed on its tensors' dtypes and alignment alone.  A call
+    # passes the arguments up to the last one of its own -- the output and LSE, the ALiBi
+    # slopes, or dropout's p, seed and offset (dynamic: the plan's key holds only whether there
+    # is dropout) -- and the launcher holds the rest.
+    args = (q_desc, k_desc, v_desc, paged_kv, 0, o_desc, out_template, lse_template,
             mods["alibi"], mods["stride_ab"], unread, unread, *layout.lse_strides, layout.rows_q, layout.rows_k,
             layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, softmax_scale * LOG2E, window_left,
             window_right, mods["softcap_scale"], mods["softcap_log2"], 0.0, 0, 0, layout.rng_cols)
@@ -346,7 +345,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
         lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
-        head = (q_over(q), k_over(k), v_over(v), paged_kv, 0, o_over(out), out, lse)
+        head = (q, k, v, paged_kv, 0, out, out, lse)
         if has_alibi:
             head += (params.alibi_slopes if alibi_contiguous else params.alibi_slopes.contiguous(),)
         elif has_dropout:

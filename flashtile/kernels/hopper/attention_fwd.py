@@ -475,7 +475,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
     device (what ``flashtile.kernels.attention.forward`` keys its plans by; TMA-ready strides,
     no empty tensor): a function ``(q, k, v, params) -> (out, lse)``, ``None`` for a call whose
     bases are not 16-byte aligned (the general path takes it).  Per call it allocates the
-    outputs, builds the three descriptors from templates (``DescriptorTemplate``) and launches;
+    outputs and launches, the three descriptors built from templates (``DescriptorTemplate``);
     the grid, the arguments and the constexprs are the ones :func:`forward` computes."""
     from flashtile.kernels.attention.layout import Layout
 
@@ -488,11 +488,10 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
                       for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)))
     num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
     grid = (min(num_items, sm_count(device.index)) if cfg.persistent else num_items,)
-    q_over, k_over, v_over = (t.over for t in templates)
     sample_out = torch.empty(out_shape, dtype=dtype, device=device)
     sample_lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
     unread = placeholder(device)  # cu_seqlens and descales: not read by the dense 16-bit kernel
-    args = (q_over(q), k_over(k), v_over(v), sample_out, sample_lse, unread, unread, unread,
+    args = (*templates, sample_out, sample_lse, unread, unread, unread,
             *sample_out.stride()[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k, layout.seqlen_q,
             layout.nheads, layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E, window_left, window_right,
             num_items)
@@ -502,9 +501,9 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
-    # A bound launcher (``flashtile.kernels.launch.bind``): the descriptors come from the
-    # templates; the placeholders, ints and scale are its own tail, so a call passes its five
-    # tensors and is keyed on their dtypes and alignment alone.
+    # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
+    # call's q, k and v from the templates; the placeholders, ints and scale are its own tail, so
+    # a call passes its five tensors and is keyed on their dtypes and alignment alone.
     bound = bind(attention_fwd_kernel, grid, options, args, tail_from=5)
 
     def run(q, k, v, params):
@@ -513,7 +512,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
         lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
-        bound((q_over(q), k_over(k), v_over(v), out, lse))
+        bound((q, k, v, out, lse))
         return out, lse
 
     return run
