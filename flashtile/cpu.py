@@ -41,10 +41,10 @@ import torch
 from flashtile.dropout import keep_mask
 from flashtile.masking import is_masked, key_range, visible
 from flashtile.semantics.params import AttentionParams
+from flashtile.validation.attention import check_engine, check_fused_engine
 
 BLOCK_M = 256
 BLOCK_N = 512
-ENGINES = ("auto", "fused", "tiled")
 
 _FUSED_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -91,15 +91,12 @@ def engine_for(q_shape, k_shape, window_left=-1, window_right=-1, softcap=0.0, a
 
 def _check_engine(engine, q, k, params: AttentionParams, dlse=None):
     """The plan for ``engine`` (None: tiled); ``engine="fused"`` where it does not apply is an error."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    check_engine(engine)
     if engine == "tiled":
         return None
     plan = None if dlse is not None else fused_plan(q.shape, k.shape, params.window_left, params.window_right,
                                                       params.softcap, params.alibi_slopes, params.dropout)
-    if plan is None and engine == "fused":
-        raise ValueError("engine='fused' does not compute this call (softcap, ALiBi, dropout, a window, "
-                         "bottom-right causal with seqlen_q < seqlen_k, an LSE gradient or an empty input)")
+    check_fused_engine(engine, plan)
     return plan
 
 

@@ -12,16 +12,12 @@ from __future__ import annotations
 import torch
 
 from flashtile import cpu
-from flashtile.ops.validation import (
-    check_tensor,
-    check_alibi_slopes,
-    check_attention_scalars,
-    check_index_tensor,
-    check_kvcache_cache_layout,
+from flashtile.validation import (
+    check_kvcache_arguments,
     check_kvcache_index_values,
     check_kvcache_length,
-    check_qkv_agree,
-    kvcache_capacity,
+    check_kvcache_rotary,
+    check_kvcache_rotary_pair,
 )
 
 # Whether the *values* of index tensors on a GPU (``cache_seqlens``, ``cache_batch_idx``,
@@ -35,74 +31,13 @@ from flashtile.ops.validation import (
 check_device_values = False
 
 
-def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
-    """Types, shapes, dtypes and devices (the index *values* are checked separately, by
-    ``check_kvcache_index_values``, once the cache capacity is known)."""
-    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or (num_blocks, page_size, nheads_k, headdim)")
-    check_tensor("v_cache", v_cache, 4, "like k_cache")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    batch = q.shape[0]
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and values to append) or both be None")
-    if k is not None:
-        check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
-        check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
-        if k.device != q.device or v.device != q.device:
-            raise ValueError(f"k and v must be on q's device ({q.device}), got {k.device} and {v.device}")
-        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
-            raise ValueError(
-                f"k and v must be (batch={batch}, seqlen_new, nheads_k={k_cache.shape[2]}, headdim={k_cache.shape[3]}), "
-                f"got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        check_kvcache_cache_layout("k_cache", k_cache)
-        check_kvcache_cache_layout("v_cache", v_cache)
-    if block_table is not None:
-        check_index_tensor("block_table", block_table, q.device, (batch, None), f"(batch={batch}, max_blocks)")
-        if block_table.shape[1] == 0:
-            raise ValueError("block_table must have at least one column (block), got shape "
-                             f"{tuple(block_table.shape)}")
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
-    elif k_cache.shape[0] < batch and cache_batch_idx is None:
-        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than batch ({batch}); pass cache_batch_idx")
-    if cache_batch_idx is not None:
-        check_index_tensor("cache_batch_idx", cache_batch_idx, q.device, (batch,), f"(batch={batch},)")
-    if isinstance(cache_seqlens, bool):
-        raise TypeError("cache_seqlens must be an int or an int32 tensor (batch,), got bool")
-    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
-        check_index_tensor("cache_seqlens", cache_seqlens, q.device, (batch,), f"(batch={batch},)")
-
-
-def _check_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                     window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad):
-    """Every check of ``flash_attn_with_kvcache`` that reads no index *value*, in order:
-    ``(params, capacity)``."""
-    _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-    batch = q.shape[0]
-    if cache_leftpad is not None:
-        check_index_tensor("cache_leftpad", cache_leftpad, q.device, (batch,), f"(batch={batch},)")
-    # The common checks, without building (batch, ...) views of the cache: a decoding step
-    # lasts microseconds on the GPU, so the host path is kept to what is needed.
-    check_qkv_agree(q, k_cache, v_cache, "k_cache", "v_cache")
-    params = check_attention_scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window_size, softcap=softcap)
-    if alibi_slopes is not None:
-        check_alibi_slopes(alibi_slopes, batch, q.shape[2], q.device)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    return params, kvcache_capacity(k_cache, block_table)
-
-
-# The checks above passed once for a key (below) pass again for every call with that key:
-# they read the arguments' classes, shapes, strides, dtypes and devices and the scalars'
-# types and values, all of which are in it.  So a decoding loop, one key for thousands of
-# steps, pays them once; a call with a new key (a bad one included) runs them in full, and
-# a failing call caches nothing.  What depends on index values (an int ``cache_seqlens``
-# against the capacity, index tensors on the CPU) is checked at every call, after this.
+# check_kvcache_arguments, passed once for a key (below), passes again for every call with
+# that key: it reads the arguments' classes, shapes, strides, dtypes and devices and the
+# scalars' types and values, all of which are in it.  So a decoding loop, one key for
+# thousands of steps, pays it once; a call with a new key (a bad one included) runs it in
+# full, and a failing call caches nothing.  What depends on index values (an int
+# ``cache_seqlens`` against the capacity, index tensors on the CPU) is checked at every
+# call, after this.
 # The key also holds everything the GPU step's launch plan reads, so an entry keeps that
 # plan too (see _step_triton): one key per call for the checks and the launches.
 _MAX_CHECKED = 256
@@ -111,16 +46,17 @@ _Tensor = torch.Tensor
 
 
 class _Checked:
-    """A memo entry: the checks' results (``params``, ``capacity``); ``rotary_ok``: the rotary
-    tables checked against q and k (positions by class; an int one is checked per call);
-    the GPU launch plan with the tuning value and plan generation it was built under, and
-    whether the index tensors are already as the kernel reads them."""
+    """A memo entry: the checks' results (``params``, ``capacity``); ``interleaved``: once the
+    rotary tables are checked against q and k, ``rotary_interleaved`` as a bool, else None
+    (positions by class; an int one is checked per call); the GPU launch plan with the tuning
+    value and plan generation it was built under, and whether the index tensors are already
+    as the kernel reads them."""
 
-    __slots__ = ("params", "capacity", "rotary_ok", "plan", "tuning", "generation", "as_read")
+    __slots__ = ("params", "capacity", "interleaved", "plan", "tuning", "generation", "as_read")
 
     def __init__(self, params, capacity):
         self.params, self.capacity = params, capacity
-        self.rotary_ok = False
+        self.interleaved = None
         self.plan = self.tuning = self.generation = None
         self.as_read = False
 
@@ -141,13 +77,13 @@ def _meta(t):
 def _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                        window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad, rotary_cos=None,
                        rotary_sin=None, rotary_interleaved=False):
-    """:func:`_check_arguments` as a :class:`_Checked`, memoised by key (see ``_checked``; the
-    rotary arguments are in the key, for the rotary checks and the plan); not while
-    torch.compile traces (the shapes may be symbolic: the checks are traced as they stand)."""
+    """:func:`~flashtile.validation.check_kvcache_arguments` as a :class:`_Checked`, memoised by
+    key (see ``_checked``; the rotary arguments are in the key, for the rotary checks and the
+    plan); not while torch.compile traces (the shapes may be symbolic: the checks are traced as they stand)."""
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
             window_size, softcap, alibi_slopes, num_splits, return_lse, cache_leftpad)
     if torch.compiler.is_compiling():
-        return _Checked(*_check_arguments(*args))
+        return _Checked(*check_kvcache_arguments(*args))
     try:
         if window_size.__class__ is not tuple or cache_seqlens.__class__ not in (int, type(None), _Tensor):
             raise _Unkeyed
@@ -162,9 +98,9 @@ def _checked_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
                                 *window_size))))
         checked = _checked.get(key)
     except (_Unkeyed, TypeError):  # TypeError: an unhashable scalar
-        return _Checked(*_check_arguments(*args))
+        return _Checked(*check_kvcache_arguments(*args))
     if checked is None:
-        checked = _Checked(*_check_arguments(*args))
+        checked = _Checked(*check_kvcache_arguments(*args))
         if len(_checked) >= _MAX_CHECKED:
             _checked.clear()
         _checked[key] = checked
@@ -188,19 +124,12 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, batch_rows, block_table):
     v_cache[idx, rows] = v.to(v_cache.dtype)
 
 
-def _rotary_flags(cos, sin, interleaved):
-    if cos is None or sin is None:
-        raise ValueError("rotary_cos and rotary_sin must be given together")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"rotary_interleaved must be a bool, got {type(interleaved).__name__}")
-
-
 def _rotate(q, k, cos, sin, interleaved, positions, local):
     """(q, k) with the rotary embedding at their cache positions (see flash_attn_with_kvcache),
     computed by :func:`flashtile.apply_rotary_emb` (the CPU path)."""
     from flashtile.rotary import apply_rotary_emb
 
-    _rotary_flags(cos, sin, interleaved)
+    interleaved = check_kvcache_rotary_pair(cos, sin, interleaved)
     if k is not None:
         k = apply_rotary_emb(k, cos, sin, interleaved=interleaved, seqlen_offsets=positions)
     if local:
@@ -210,20 +139,6 @@ def _rotate(q, k, cos, sin, interleaved, positions, local):
     flat = q.reshape(batch, 1, seqlen_q * nheads, d)
     q = apply_rotary_emb(flat, cos, sin, interleaved=interleaved, seqlen_offsets=positions).reshape(q.shape)
     return q, k
-
-
-def _check_rotary_fused(q, k, cos, sin, interleaved, positions, local):
-    """:func:`_rotate`'s checks without computing anything: on a GPU the split kernel rotates q
-    and the new k itself (a bad table raises here, before anything is written)."""
-    from flashtile.rotary import check_rotary_arguments
-
-    _rotary_flags(cos, sin, interleaved)
-    if k is not None:
-        check_rotary_arguments(k, cos, sin, interleaved, False, positions, None, None)
-    if not local:
-        batch, seqlen_q, nheads, d = q.shape
-        q = q.reshape(batch, 1, seqlen_q * nheads, d)
-    check_rotary_arguments(q, cos, sin, interleaved, False, positions, None, None)
 
 
 def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes,
@@ -385,11 +300,12 @@ def flash_attn_with_kvcache(
             # against the table's length.
             positions = cache_seqlens if cache_leftpad is None else cache_leftpad
             span = max(q.shape[1] if local else 1, seqlen_new)
-            if (not entry.rotary_ok or (positions.__class__ is int and not (
+            interleaved = entry.interleaved
+            if (interleaved is None or (positions.__class__ is int and not (
                     0 <= positions and positions + span <= rotary_cos.shape[0]))):
-                _check_rotary_fused(q, k, rotary_cos, rotary_sin, rotary_interleaved, positions, local)
-                entry.rotary_ok = True
-            rotary = (rotary_cos, rotary_sin, rotary_interleaved, local)
+                interleaved = entry.interleaved = check_kvcache_rotary(q, k, rotary_cos, rotary_sin,
+                                                                       rotary_interleaved, positions, local)
+            rotary = (rotary_cos, rotary_sin, interleaved, local)
     args = (params.softmax_scale, params.window_left, params.window_right, params.softcap, alibi_slopes)
     if is_cuda:
         out, lse = _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, *args,

@@ -36,7 +36,7 @@ import profile_host_cpu  # noqa: E402
 import flashtile  # noqa: E402
 from flashtile.kernels import launch as launch_mod  # noqa: E402
 from flashtile.ops import attention as ops  # noqa: E402
-from flashtile.ops import validation  # noqa: E402
+from flashtile.validation import indices as validation  # noqa: E402
 
 
 @pytest.fixture

@@ -70,6 +70,12 @@ from flashtile.kvcache import flash_attn_with_kvcache
 from flashtile.masking import mask_array
 from flashtile.padding import pad_input, unpad_input
 from flashtile.sdpa import scaled_dot_product_attention
+from flashtile.validation.transformers import (
+    check_sliding_window,
+    check_transformers_inputs,
+    check_transformers_mask,
+    check_transformers_padding,
+)
 
 __all__ = ["ATTENTION_NAME", "flashtile_attention_forward", "flashtile_mask", "register"]
 
@@ -125,14 +131,9 @@ def flashtile_attention_forward(
     Returns:
         ``(attn_output (batch, seq_q, heads, dim), None)``.
     """
-    for name in ("s_aux", "head_mask"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the flashtile attention backend does not support {name}")
+    check_transformers_inputs(query, key, value, kwargs)
     if kwargs.get("output_attentions", False):
         _warn_once("the flashtile attention backend never forms the attention weights: output_attentions gives None")
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"query, key and value must be (batch, heads, seq, dim), got {tuple(query.shape)}, "
-                         f"{tuple(key.shape)}, {tuple(value.shape)}")
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     scale = None if scaling is None else float(scaling)
@@ -157,23 +158,17 @@ def flashtile_attention_forward(
                               softcap=softcap)
         return out, None
 
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
+    check_transformers_mask(attention_mask)
     if attention_mask.dim() == 2:
         return _attend_padded(query, key, value, attention_mask.bool(), causal, window, **options), None
-    if attention_mask.dim() != 4:
-        raise ValueError(f"attention_mask must be None, 2-D (batch, keys) or 4-D (batch, 1, queries, keys), got shape "
-                         f"{tuple(attention_mask.shape)}")
     return _attend_4d(query, key, value, attention_mask, causal, window, **options), None
 
 
 def _window(causal: bool, sliding_window) -> tuple[int, int]:
     """transformers' ``sliding_window`` (a size in tokens) as flashtile's ``(left, right)`` window."""
-    if sliding_window is None:
+    size = check_sliding_window(sliding_window)
+    if size is None:
         return (-1, -1)
-    size = int(sliding_window)
-    if size <= 0:
-        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
     # transformers' attention-function convention (its flash-attention path): the window spans
     # size - 1 keys on each side it opens, i.e. causal i - size < j <= i, bidirectional
     # |i - j| < size.  Models whose bidirectional mask is |i - j| <= w pass size = w + 1.
@@ -211,12 +206,7 @@ def _attend_padded(query, key, value, key_keep, causal, window, scale, dropout, 
     batch, heads, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
     visible = key_keep.shape[1]
-    if key_keep.shape[0] != batch or visible > seqlen_k or (not causal and visible != seqlen_k):
-        raise ValueError(f"a 2-D attention_mask must be (batch={batch}, keys={seqlen_k}) (causal layers: at most "
-                         f"{seqlen_k} keys), got {tuple(key_keep.shape)}")
-    if causal and visible < seqlen_q:
-        raise ValueError(f"a causal layer's 2-D attention_mask must cover the {seqlen_q} query positions, "
-                         f"got {visible} keys")
+    check_transformers_padding(key_keep, batch, seqlen_q, seqlen_k, causal)
     key, value = key[:, :, :visible], value[:, :, :visible]
     # A bidirectional window depends on where each real key sits, which packing loses (the packed
     # call aligns queries to the real keys from the bottom right): materialise the mask instead.

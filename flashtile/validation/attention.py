@@ -25,7 +25,7 @@ from flashtile.validation.common import (
     check_tensor,
     check_window,
 )
-from flashtile.validation.indices import check_index_tensor
+from flashtile.validation.indices import check_block_table
 
 
 def check_attention_inputs(
@@ -124,9 +124,7 @@ def check_paged_kv(q, k, v, block_table, batch: int) -> None:
         raise ValueError(f"k and v must be paged alike with block_table, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] == 0 or k.shape[1] == 0:
         raise ValueError(f"k must hold at least one page of at least one row with block_table, got {tuple(k.shape)}")
-    check_index_tensor("block_table", block_table, q.device, (batch, None), f"(batch={batch}, max_blocks)")
-    if block_table.shape[1] == 0:
-        raise ValueError(f"block_table must have at least one column (block), got shape {tuple(block_table.shape)}")
+    check_block_table(block_table, q.device, batch)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("block_table: attention over paged keys and values is forward only (inference); "
                                   "call it under torch.no_grad() or on tensors that do not require grad")
@@ -139,3 +137,19 @@ def check_stacked(name: str, stacked, rank: int, count: int, layout: str) -> Non
     if stacked.shape[-3] != count:
         raise ValueError(f"{name} must have shape {layout} (size {count} in dimension {rank - 3}), "
                          f"got {tuple(stacked.shape)}")
+
+
+ENGINES = ("auto", "fused", "tiled")
+
+
+def check_engine(engine) -> None:
+    """The CPU backend's ``engine``: ``"auto"``, ``"fused"`` or ``"tiled"``."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+
+
+def check_fused_engine(engine, plan) -> None:
+    """``engine="fused"`` only where the fused kernel computes the call (``plan`` is not None)."""
+    if plan is None and engine == "fused":
+        raise ValueError("engine='fused' does not compute this call (softcap, ALiBi, dropout, a window, "
+                         "bottom-right causal with seqlen_q < seqlen_k, an LSE gradient or an empty input)")

@@ -56,6 +56,14 @@ def check_index_tensor(name: str, t, device, shape: tuple, layout: str) -> None:
         raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
 
 
+
+def check_block_table(block_table, device, batch: int) -> None:
+    """A page table: an int32 / int64 ``(batch, max_blocks)`` index tensor on ``device`` with at
+    least one column."""
+    check_index_tensor("block_table", block_table, device, (batch, None), f"(batch={batch}, max_blocks)")
+    if block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have at least one column (block), got shape {tuple(block_table.shape)}")
+
 def check_max_seqlen(name: str, value) -> int:
     """An int >= 0."""
     value = check_scalar(name, value, int, "an int")

@@ -1,15 +1,101 @@
-"""``flash_attn_with_kvcache``'s cache rules: capacity, layout, and the index inputs' values.
+"""``flash_attn_with_kvcache``'s arguments: tensors and scalars, the cache's capacity and
+layout, the rotary tables, and the index inputs' values.
 
-The values of ``cache_seqlens``, ``cache_batch_idx``, ``block_table`` and ``cache_leftpad``
-are read through :mod:`flashtile.validation.indices` (``values_readable``, ``to_host``):
-one device-to-host copy for all of them, and none where it cannot be made.
+:func:`check_kvcache_arguments` reads no index *value*: what it accepts depends only on the
+arguments' classes, shapes, strides, dtypes and devices and the scalars' types and values,
+so ``flash_attn_with_kvcache`` memoises it.  The values of ``cache_seqlens``,
+``cache_batch_idx``, ``block_table`` and ``cache_leftpad`` are checked by
+:func:`check_kvcache_index_values`, read through :mod:`flashtile.validation.indices`
+(``values_readable``, ``to_host``): one device-to-host copy for all of them, and none where
+it cannot be made.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flashtile.semantics.params import AttentionParams
 from flashtile.validation import indices
+from flashtile.validation.attention import check_alibi_slopes, check_attention_scalars, check_qkv_agree
+from flashtile.validation.common import check_bool, check_tensor
+from flashtile.validation.indices import check_block_table, check_index_tensor
+from flashtile.validation.rotary import check_rotary_arguments
+
+
+def check_kvcache_arguments(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+                            causal, window_size, softcap, alibi_slopes, num_splits, return_lse,
+                            cache_leftpad) -> tuple[AttentionParams, int]:
+    """Every rule of ``flash_attn_with_kvcache`` that reads no index value (types, shapes,
+    dtypes, devices, the cache layout, the scalars), in order: ``(params, capacity)``."""
+    check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    check_tensor("k_cache", k_cache, 4,
+                 "(batch_cache, seqlen_cache, nheads_k, headdim) or (num_blocks, page_size, nheads_k, headdim)")
+    check_tensor("v_cache", v_cache, 4, "like k_cache")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch = q.shape[0]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append) or both be None")
+    if k is not None:
+        check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        if k.device != q.device or v.device != q.device:
+            raise ValueError(f"k and v must be on q's device ({q.device}), got {k.device} and {v.device}")
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(
+                f"k and v must be (batch={batch}, seqlen_new, nheads_k={k_cache.shape[2]}, headdim={k_cache.shape[3]}), "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        check_kvcache_cache_layout("k_cache", k_cache)
+        check_kvcache_cache_layout("v_cache", v_cache)
+    if block_table is not None:
+        check_block_table(block_table, q.device, batch)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
+    elif k_cache.shape[0] < batch and cache_batch_idx is None:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than batch ({batch}); pass cache_batch_idx")
+    if cache_batch_idx is not None:
+        check_index_tensor("cache_batch_idx", cache_batch_idx, q.device, (batch,), f"(batch={batch},)")
+    if isinstance(cache_seqlens, bool):
+        raise TypeError("cache_seqlens must be an int or an int32 tensor (batch,), got bool")
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        check_index_tensor("cache_seqlens", cache_seqlens, q.device, (batch,), f"(batch={batch},)")
+    if cache_leftpad is not None:
+        check_index_tensor("cache_leftpad", cache_leftpad, q.device, (batch,), f"(batch={batch},)")
+    # The common checks, without building (batch, ...) views of the cache: a decoding step
+    # lasts microseconds on the GPU, so the host path is kept to what is needed.
+    check_qkv_agree(q, k_cache, v_cache, "k_cache", "v_cache")
+    params = check_attention_scalars(q.shape[-1], softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap)
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, batch, q.shape[2], q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    check_bool("return_lse", return_lse)
+    return params, kvcache_capacity(k_cache, block_table)
+
+
+def check_kvcache_rotary_pair(cos, sin, interleaved) -> bool:
+    """``rotary_cos`` and ``rotary_sin`` given together; returns ``rotary_interleaved`` as a bool."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    return check_bool("rotary_interleaved", interleaved)
+
+
+def check_kvcache_rotary(q, k, cos, sin, interleaved, positions, local: bool) -> bool:
+    """The rotary tables against q and the new keys ``k`` (or ``None``) at ``positions`` (an int
+    or a ``(batch,)`` tensor), as the kernels rotate them: the new key row ``i`` at
+    ``positions[b] + i``; q row ``i`` there too when ``local``, else every q row at
+    ``positions[b]``.  Returns ``rotary_interleaved`` as a bool."""
+    interleaved = check_kvcache_rotary_pair(cos, sin, interleaved)
+    if k is not None:
+        check_rotary_arguments(k, cos, sin, interleaved, False, positions, None, None)
+    if not local:
+        batch, seqlen_q, nheads, d = q.shape
+        q = q.reshape(batch, 1, seqlen_q * nheads, d)
+    check_rotary_arguments(q, cos, sin, interleaved, False, positions, None, None)
+    return interleaved
 
 
 def kvcache_capacity(k_cache: torch.Tensor, block_table) -> int:
