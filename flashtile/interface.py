@@ -124,16 +124,17 @@ def _checked_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_si
     """:func:`_check_func_arguments`, memoised by key (see ``_checked``); not while torch.compile
     traces (the shapes may be symbolic: the checks are traced as they stand).  The params come
     without ALiBi slopes: the caller attaches ``alibi_slopes``."""
-    args = (q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_lse)
     if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
             or window_size.__class__ is not tuple or torch.compiler.is_compiling()):
-        return _Checked(_check_func_arguments(*args))
+        return _Checked(_check_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, deterministic, return_lse))
     if alibi_slopes is None:
         alibi = None
     elif alibi_slopes.__class__ is _Tensor:
         alibi = (alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype, alibi_slopes.device)
     else:
-        return _Checked(_check_func_arguments(*args))
+        return _Checked(_check_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, deterministic, return_lse))
     try:
         # Scalars by value *and* type (True == 1 == 1.0 as dict keys, but the checks tell them
         # apart), the window's first two elements too (a longer window fails its check, so no
@@ -145,9 +146,11 @@ def _checked_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_si
                window_size[1].__class__)
         checked = _checked.get(key)
     except (TypeError, IndexError):  # an unhashable scalar, a window of fewer than two values
-        return _Checked(_check_func_arguments(*args))
+        return _Checked(_check_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, deterministic, return_lse))
     if checked is None:
-        checked = _Checked(_check_func_arguments(*args).with_alibi(None))
+        checked = _Checked(_check_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                                 alibi_slopes, deterministic, return_lse).with_alibi(None))
         if len(_checked) >= _MAX_CHECKED:
             _checked.clear()
         _checked[key] = checked

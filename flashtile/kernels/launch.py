@@ -413,8 +413,8 @@ class BoundLaunch:
         self.layout_descs = _getter(with_layout) if mixed else None
         self.layouts = tuple(head[i].layout for i in with_layout) if mixed else ()
         statics = [i for i in range(n) if i not in tensors and i not in descs and i not in self.dynamic]
-        self.statics = _getter(statics)
-        self.static_values = self.statics(head)
+        self.statics = _getter(statics) if statics else None
+        self.static_values = self.statics(head) if statics else ()
         # One dynamic position (the usual case) is read directly; several through a getter.
         self.dynamic_of = (None if not self.dynamic else self.dynamic[0] if len(self.dynamic) == 1
                            else _getter(list(self.dynamic)))
@@ -427,8 +427,9 @@ class BoundLaunch:
         binding call's class, block shape, padding and layout objects where it had descriptors
         (any base), the ``dynamic`` values (any), and elsewhere the binding call's very objects;
         a call that does not is handed to :func:`launch` whole."""
-        if (len(head) != self.n_head or not all(map(is_, self.statics(head), self.static_values)) or INTERPRET
-                or self.grid3 is None or torch.compiler.is_compiling()):
+        statics = self.statics
+        if (len(head) != self.n_head or (statics is not None and not all(map(is_, statics(head), self.static_values)))
+                or INTERPRET or self.grid3 is None or torch.compiler.is_compiling()):
             launch(self.kernel, self.grid, self.arguments(head), self.options, self.dynamic)
             return
         if self.generation is not _generation:  # clear() was called: forget the variants too
