@@ -8,11 +8,13 @@ from flashtile.dropout import counters_per_row, next_seed_offset
 from flashtile.kernels.engine import engine_setting
 from flashtile.ops import attention as _ops
 from flashtile.semantics.params import AttentionParams
-from flashtile.ops.validation import (
+from flashtile.validation import (
     check_attention_inputs,
-    check_cu_seqlens,
+    check_bool,
+    check_cu_seqlens_pair,
     check_cu_seqlens_values,
     check_kvcache_index_values,
+    check_packed_query,
     check_paged_kv,
     kvcache_capacity,
 )
@@ -90,8 +92,7 @@ def _check_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size
         alibi_slopes=alibi_slopes,
         deterministic=deterministic,
     )
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     return params
 
 
@@ -198,14 +199,10 @@ def flash_attn_varlen_func(
     sequence through ``cu_seqlens``; ``max_seqlen_*`` size the grid and must not be smaller
     than the longest sequence); on the CPU each sequence runs the tiled PyTorch path.
     """
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor of shape (total_q, nheads, headdim), got {type(q).__name__}")
-    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] if q.dim() == 3 else -1, q.device,
-                             max_seqlen_q, "max_seqlen_q", values=False)
-    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else -1,
-                               q.device, max_seqlen_k, "max_seqlen_k", values=False)
-    if batch_k != batch:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    check_packed_query(q)
+    batch = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[0] if q.dim() == 3 else -1,
+                                  k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else -1, q.device,
+                                  max_seqlen_q, max_seqlen_k, values=False)
     k_rows = k, v  # what the packed-input checks see
     if block_table is not None:
         check_paged_kv(q, k, v, block_table, batch)
@@ -220,8 +217,7 @@ def flash_attn_varlen_func(
     if block_table is not None:
         check_kvcache_index_values(cu_seqlens_k[1:] - cu_seqlens_k[:-1], None, block_table, seqlen_new=0,
                                    capacity=kvcache_capacity(k, block_table), cache_rows=k.shape[0])
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    return_lse = check_bool("return_lse", return_lse)
     if params.dropout_p > 0:
         params = params.with_rng(*next_seed_offset(q.device, q.shape[1] * q.shape[0] * counters_per_row(max_seqlen_k)))
     out, lse = _ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params, block_table)

@@ -153,3 +153,10 @@ def check_fused_engine(engine, plan) -> None:
     if plan is None and engine == "fused":
         raise ValueError("engine='fused' does not compute this call (softcap, ALiBi, dropout, a window, "
                          "bottom-right causal with seqlen_q < seqlen_k, an LSE gradient or an empty input)")
+
+
+def check_packed_query(q) -> None:
+    """The packed query of a varlen call is a tensor (its shape is checked with the keys'
+    by :func:`check_attention_inputs`, once ``cu_seqlens`` have given the batch)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor of shape (total_q, nheads, headdim), got {type(q).__name__}")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from flashtile.semantics.params import AttentionParams
 from flashtile.validation.attention import check_attention_inputs
 from flashtile.validation.common import check_bool, check_scalar
-from flashtile.validation.indices import check_cu_seqlens
+from flashtile.validation.indices import check_cu_seqlens_pair
 
 RING_MODES = ("ring", "allgather")
 
@@ -108,10 +108,8 @@ def check_ring_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         raise ValueError("k must be a torch.Tensor of shape (total_k / world, nheads_k, headdim)")
     check_process_group()
     world = dist.get_world_size(group)
-    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] * world, q.device, max_seqlen_q, "max_seqlen_q")
-    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] * world, q.device, max_seqlen_k, "max_seqlen_k")
-    if batch_k != batch:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    batch = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[0] * world, k.shape[0] * world, q.device,
+                                  max_seqlen_q, max_seqlen_k)
     params = check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal, packed=True, packed_batch=batch)
     causal, zigzag = check_ring_options(group, (-1, 0) if causal else (-1, -1), return_lse, zigzag, mode, params)
 

@@ -90,6 +90,18 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, device, max_seqlen, max_
     return cu_seqlens.numel() - 1
 
 
+def check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, device, max_seqlen_q,
+                          max_seqlen_k, values: bool = True) -> int:
+    """``cu_seqlens_q`` and ``cu_seqlens_k`` (each as :func:`check_cu_seqlens`) describing one
+    batch: the same number of sequences.  Returns batch."""
+    batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, device, max_seqlen_q, "max_seqlen_q", values=values)
+    batch_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, device, max_seqlen_k, "max_seqlen_k",
+                               values=values)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {batch} and {batch_k} sequences")
+    return batch
+
+
 def check_cu_seqlens_values(*specs) -> None:
     """Each ``(name, cu_seqlens, total, max_seqlen, max_name)``: 0 first, non-decreasing, the
     packed length ``total`` last (``None``: no packed tensor, e.g. paged keys), no sequence

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "flashtile"
-PUBLIC = ["compat.py", "cpu.py", "distributed.py", "fp8.py", "integrations/transformers.py", "kvcache.py",
-          "merging.py", "packed.py", "padding.py", "rotary.py", "sdpa.py", "ops/softmax.py"]
+PUBLIC = ["compat.py", "cpu.py", "distributed.py", "fp8.py", "integrations/transformers.py", "interface.py",
+          "kvcache.py", "merging.py", "packed.py", "padding.py", "rotary.py", "sdpa.py", "ops/softmax.py"]
 ARGUMENT_ERRORS = {"TypeError", "ValueError", "NotImplementedError"}
 
 
