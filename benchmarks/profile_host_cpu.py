@@ -12,19 +12,25 @@ layer's key and cache look-up -- with only the GPU-side pieces replaced:
   (capability, SM count, current device, stream capture, and the decode configuration's
   device and shared memory) answer as an H200 would, so a decode call makes the H200's
   launches and allocations (at the cases' shape: split kernel and combine);
-* Triton's ordinary launch (``JITFunction.run``) returns a stand-in compiled kernel whose
-  launcher does nothing, and the driver's current device / stream getters are constants.
-  The launch layer (``flashtile.kernels.launch``) runs as it does on a GPU: the first call
-  of a specialisation class goes through the ordinary launch, later ones launch directly.
+* Triton's ordinary launch (``JITFunction.run``) returns a stand-in compiled kernel per
+  kernel, argument types and descriptor boxes, whose launcher is Triton's own Python launcher
+  object (``CudaLauncher``, with its per-argument descriptor handling,
+  ``wrap_handle_tensordesc``) over a C launcher that does nothing but count its calls; the
+  descriptors' metadata has the form a Hopper compile records, and the driver's
+  ``fill_tma_descriptor`` (an encode in C on a GPU) returns its inputs.  The driver's current
+  device / stream getters are constants.  The launch layer (``flashtile.kernels.launch``)
+  runs as it does on a GPU: the first call of a specialisation class goes through the
+  ordinary launch, later ones launch directly.
 
-So ``us`` here is what flashtile's Python costs per call; on a GPU, torch's CUDA allocator
-and Triton's C launcher (a few us per launch) come on top.  A launch that goes Triton's
-ordinary way (``kernel[grid](...)``, 40-90 us of binding on a GPU host) costs nothing here:
-compare such paths on a GPU (``profile_decode_host.py``).  Cases (batch 1, cache 1k,
-32 / 4 heads, d = 128, bf16, one query row): ``kvcache`` / ``kvcache+append`` /
-``kvcache+append+rotary``, contiguous or paged16, int or tensor ``cache_seqlens``; ``func``:
-``flash_attn_func`` at (1, 128, 8, 64), eager (``torch.no_grad`` and not) and its custom-op
-dispatch.  Then a cProfile of one case.
+So ``us`` here is what the Python of flashtile and of Triton's launcher costs per call; on
+a GPU, torch's CUDA allocator, the C launcher and the descriptor encodes the launches make
+(a few us per launch) come on top; ``launches`` counts the C launcher's calls per call.  A
+launch that goes Triton's ordinary way (``kernel[grid](...)``, 40-90 us of binding on a GPU
+host) costs nothing here: compare such paths on a GPU (``profile_decode_host.py``).  Cases
+(batch 1, cache 1k, 32 / 4 heads, d = 128, bf16, one query row): ``kvcache`` /
+``kvcache+append`` / ``kvcache+append+rotary``, contiguous or paged16, int or tensor
+``cache_seqlens``; ``func``: ``flash_attn_func`` at (1, 128, 8, 64), eager (``torch.no_grad``
+and not) and its custom-op dispatch.  Then a cProfile of one case.
 
     python benchmarks/profile_host_cpu.py [--calls 20000] [--profile kvcache+append] [--json out.jsonl]
 """
@@ -40,18 +46,54 @@ import os
 import pstats
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 
 class _StubCompiled:
-    """What the stubbed ordinary launch returns: a compiled kernel whose launcher does nothing."""
+    """What the stubbed ordinary launch returns: a compiled kernel whose launcher (``run``) is
+    Triton's ``CudaLauncher`` over a C launcher (``_raw``) that only counts its calls
+    (``launches``).  A test may replace ``run`` or ``_raw`` on the class."""
 
     function = 0
-    packed_metadata = None
+    packed_metadata = (4, 1, 0)
+    launches = 0
+    run = property(lambda self: self.launcher)
 
-    def run(self, *args):
-        pass
+    def __init__(self, kernel, args, options):
+        from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
+
+        from flashtile.kernels.launch import _DESCRIPTORS
+
+        signature, meta = {}, []
+        for i, param in enumerate(kernel.params):
+            value = args[i] if i < len(args) else options.get(param.name, param.default)
+            if param.is_constexpr:
+                signature[i] = "constexpr"
+            elif value.__class__ in _DESCRIPTORS:
+                block = list(value.block_shape)
+                signature[i] = f"tensordesc<bf16{block}>"
+                # Metadata of the form a Hopper compile records (a 128-byte swizzle, 2-byte elements).
+                meta.append(dict(swizzle=3, elem_size=2, elem_type=10, block_size=block, fp4_padded=False))
+            else:
+                signature[i] = "i32"
+        launcher = object.__new__(CudaLauncher)
+        launcher.num_ctas = 1
+        launcher.launch = wrap_handle_tensordesc(self._raw, signature, meta or None)
+        launcher.global_scratch_size = launcher.profile_scratch_size = 0
+        launcher.global_scratch_align = launcher.profile_scratch_align = 1
+        launcher.launch_cooperative_grid = launcher.launch_pdl = False
+        self.launcher = launcher
+        self.src = SimpleNamespace(signature=signature)  # what CudaLauncher reads of the source
+
+    @staticmethod
+    def _raw(*args):
+        _StubCompiled.launches += 1
+
+
+def _fill_tma_descriptor(*args):
+    return args
 
 
 @contextlib.contextmanager
@@ -63,7 +105,22 @@ def stubbed_gpu():
     from flashtile.kernels import launch as launch_mod
     from flashtile.kernels import runtime
 
-    compiled = _StubCompiled()
+    import triton
+
+    compiled = {}
+
+    def ordinary(self, *args, grid, warmup, **options):
+        # One compiled kernel per kernel, argument types and descriptor boxes (its metadata's).
+        key = (id(self), tuple(map(type, args)), tuple(tuple(a.block_shape) for a in args if hasattr(a, "block_shape")))
+        if key not in compiled:
+            compiled[key] = _StubCompiled(self, args, options)
+        return compiled[key]
+
+    class _Driver:
+        """The active driver as far as the launchers ask it: the descriptor encode."""
+
+        class utils:
+            fill_tma_descriptor = staticmethod(_fill_tma_descriptor)
 
     class _Props:
         multi_processor_count = 132
@@ -76,7 +133,8 @@ def stubbed_gpu():
         setattr(obj, name, value)
 
     patch(torch.Tensor, "is_cuda", property(lambda self: True))
-    patch(JITFunction, "run", lambda self, *args, grid, warmup, **kw: compiled)
+    patch(JITFunction, "run", ordinary)
+    patch(triton.runtime.driver, "_active", _Driver)
     patch(launch_mod, "_device_functions", (lambda: 0, lambda device: 0))
     patch(launch_mod, "INTERPRET", False)
     patch(torch.cuda, "get_device_capability", lambda *a: (9, 0))
@@ -159,8 +217,12 @@ def main():
         results = []
         for name, fn in cases():
             us = per_call_us(fn, args.calls)
+            before = _StubCompiled.launches
+            for _ in range(10):
+                fn()
+            launches = (_StubCompiled.launches - before) / 10
             results.append((name, us, fn))
-            print(f"{name:40s} {us:7.1f} us/call")
+            print(f"{name:40s} {us:7.1f} us/call  {launches:g} launches")
         if args.json:
             with open(args.json, "a") as f:
                 for name, us, _ in results:
