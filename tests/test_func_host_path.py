@@ -358,3 +358,55 @@ def test_stubbed_planned_calls_launch_directly_what_the_ordinary_launch_got(monk
     for call in direct:
         assert tuple(call[:3]) == (grid + (1, 1))[:3]
         assert _describe(call[9:9 + len(args)], inputs) == args
+
+
+@in_child
+@pytest.mark.parametrize("d, engine", [(64, "auto"), (128, "auto"), (128, "triton")])
+@pytest.mark.parametrize("case", ["full", "alibi", "dropout"])
+def test_stubbed_planned_calls_pass_the_c_launcher_what_tritons_launcher_passes(monkeypatch, d, engine, case):
+    """With Triton's own launcher object (``CudaLauncher``, its descriptor loop) over a recording
+    C launcher: the planned calls launched directly hand the C launcher the flattened
+    arguments -- tensor maps, shapes, strides, the other arguments and the constexprs -- that
+    Triton's launcher hands it for the ordinary launch's arguments (outputs fresh at each call;
+    a map described by its inputs, its address by the input it is)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import profile_host_cpu
+    from triton.runtime.jit import JITFunction
+
+    from flashtile.kernels.attention import forward
+
+    if engine == "auto" and case != "full" and d == 128:
+        pytest.skip("the Gluon engine takes no ALiBi or dropout")
+    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
+    q, k, v = _qkv((1, 128, 8, d), (1, 128, 8, d), dtype=torch.bfloat16)
+    params = _STUB_PARAMS[case]
+    if case == "alibi":
+        params = AttentionParams(0.125, alibi_slopes=torch.rand(8))
+    inputs = {q.data_ptr(): "q", k.data_ptr(): "k", v.data_ptr(): "v"}
+    raw, ordinary = [], []
+    monkeypatch.setattr(profile_host_cpu._StubCompiled, "_raw", staticmethod(lambda *args: raw.append(args)))
+    monkeypatch.setattr(profile_host_cpu, "_fill_tma_descriptor",
+                        lambda address, *rest: ("map", inputs.get(address, "fresh"), *rest))
+    forward.clear_plans()
+    try:
+        with profile_host_cpu.stubbed_gpu():
+            stub_run = JITFunction.run
+
+            def counting(self, *args, grid, warmup, **options):
+                compiled = stub_run(self, *args, grid=grid, warmup=warmup, **options)
+                ordinary.append((self, grid, args, options, compiled))
+                return compiled
+
+            monkeypatch.setattr(JITFunction, "run", counting)
+            for _ in range(3):
+                forward.fwd(q, k, v, params)
+            assert len(ordinary) == 1 and len(raw) == 2
+            kernel, grid, args, options, compiled = ordinary[0]
+            constexprs = [options.get(p.name, p.default) for p in kernel.params[len(args):]]
+            compiled.run(*(grid + (1, 1))[:3], 0, compiled.function, compiled.packed_metadata, None, None, None,
+                         *args, *constexprs)
+    finally:
+        forward.clear_plans()
+    want = _describe(raw[2], inputs)
+    assert _describe(raw[0], inputs) == want and _describe(raw[1], inputs) == want
+    assert any(isinstance(a, tuple) and a[:2] == ("map", "q") for a in raw[2])

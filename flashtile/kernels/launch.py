@@ -1,5 +1,9 @@
 """Launching a compiled Triton kernel directly, without Triton's per-call dispatch.
 
+(One module over 600 lines on purpose: the key, the bound launchers and the call of Triton's
+launcher are one argument -- a direct launch runs exactly what the ordinary launch runs -- and
+each part's rules lean on the others', so they are read and changed together.)
+
 ``kernel[grid](*args, **constexprs)`` re-derives, on every call, what it already knew at the
 previous one: it binds the arguments to the signature, specialises each of them (type,
 ``== 1``, divisible by 16), builds a cache key from those and the stringified options,
@@ -41,6 +45,15 @@ device -- so a call costs a few C-level gathers and one dict look-up before the 
 first call of each class goes through :func:`launch` (ordinary launch, or a variant
 :func:`launch` already holds), and every rule above (interpreter, tracing, hooks, failures)
 applies to it unchanged.
+
+The launcher itself is called without its Python layer where that layer's structure is the one
+of Triton 3.6.0 (:class:`_Direct`): ``CompiledKernel.run`` is a ``CudaLauncher`` whose
+``launch`` loops over every argument to replace each host TMA descriptor by its flattened
+form (an encoded tensor map, shape and strides) before the C launcher.  The positions of the
+descriptors and their metadata are fixed per compiled kernel, so the flattened argument list is
+built directly from them, and a descriptor a bound launcher builds from a template has a fixed
+shape and strides, so its map is kept per base address.  Any other structure (another Triton,
+scratch memory to allocate, an unexpected closure) launches through ``compiled.run`` as before.
 
 If a direct launch raises, that key is marked failed and the call (and every later one with
 that key) goes through the ordinary launch, which raises again if the error was the caller's
@@ -253,6 +266,169 @@ def _ordinary(kernel, grid, args, options):
     return kernel[grid](*args, **options)
 
 
+# ---------------------------------------------------------------------------------------
+# Triton 3.6.0's launcher without its per-argument Python loop
+# ---------------------------------------------------------------------------------------
+
+# The Triton whose launcher structure _Direct reproduces (triton/backends/nvidia/driver.py):
+# ``CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)`` allocates the global
+# and profile scratch (``None`` when their sizes are 0) and calls ``self.launch(gridX, gridY,
+# gridZ, stream, function, launch_cooperative_grid, launch_pdl, global_scratch,
+# profile_scratch, *args)``, where ``args`` are the packed metadata, the launch metadata, the
+# two hooks and then every kernel parameter in signature order.  ``self.launch`` is the C
+# launcher itself when the signature has no descriptor, else ``wrap_handle_tensordesc``'s
+# ``inner``, which passes the 13 leading arguments on and replaces the parameter at each of its
+# ``tensordesc_indices`` by ``make_tensordesc_arg(arg, tensordesc_meta[k])`` (k counting the
+# descriptors in order).  Another version, or another structure, keeps ``compiled.run``.
+_TRITON_LAUNCHER = "3.6.0"
+_MAX_MAPS = 64  # encoded tensor maps kept per template position and compiled kernel
+
+
+def _launcher_parts(compiled):
+    """``(C launcher, launch_cooperative_grid, launch_pdl, {parameter position: descriptor
+    metadata})`` of ``compiled`` when its launcher is Triton 3.6.0's ``CudaLauncher`` as
+    described above with no scratch to allocate, else ``None``."""
+    if triton.__version__ != _TRITON_LAUNCHER:
+        return None
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return None
+    runner = compiled.run
+    if runner.__class__ is not nvidia.CudaLauncher or nvidia._BASE_ARGS_FORMAT_LEN != 13:
+        return None
+    if runner.global_scratch_size or runner.profile_scratch_size:
+        return None  # CudaLauncher allocates them per launch: its own path does
+    inner = runner.launch
+    code = getattr(inner, "__code__", None)
+    # ``inner`` of this very ``wrap_handle_tensordesc``: its code object is one of the wrapper's
+    # constants.  Its closure holds the C launcher, the descriptor positions and metadata.
+    if code is None or code not in nvidia.wrap_handle_tensordesc.__code__.co_consts:
+        # Not wrapped: the C launcher itself, which the wrapper returns for a signature
+        # without descriptors (the signature CudaLauncher was built from).
+        signature = getattr(getattr(compiled, "src", None), "signature", None)
+        if not isinstance(signature, dict) or any(isinstance(sig, str) and sig.startswith("tensordesc")
+                                                  for sig in signature.values()):
+            return None
+        return inner, runner.launch_cooperative_grid, runner.launch_pdl, {}
+    if inner.__closure__ is None:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in inner.__closure__)))
+    try:
+        raw, positions, meta = cells["launcher"], sorted(cells["tensordesc_indices"]), list(cells["tensordesc_meta"])
+    except (KeyError, TypeError):
+        return None
+    if len(meta) != len(positions):
+        return None
+    return raw, runner.launch_cooperative_grid, runner.launch_pdl, dict(zip(positions, meta))
+
+
+def _plain_descriptor(meta):
+    """The flattened form of a descriptor argument: Triton's own ``make_tensordesc_arg``."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return lambda desc: make_tensordesc_arg(desc, meta)
+
+
+def _template_descriptor(template, meta):
+    """The flattened form of ``template.over(t)`` for a tensor ``t``, as ``make_tensordesc_arg``
+    builds it, or ``None`` where that would raise for every tensor (a last stride other than 1):
+    the ordinary launcher then raises it.
+
+    Everything but ``t`` is fixed: the template's shape, strides and padding (the descriptors
+    it builds share its fields) and the compiled kernel's metadata.  With metadata the form is
+    ``[map, *shape, *strides]``; the map ``fill_tma_descriptor`` encodes depends on the base
+    address, the swizzle, element size and type, the box, the shape, the strides and the
+    padding, every one fixed here but the address, so two tensors at one address get equal
+    maps.  The maps are kept per address (the caching allocator hands the same addresses out
+    again), a bounded memo local to this template and this compiled kernel; the launcher copies
+    a map into the kernel's parameters at each launch, so a kept map is never read later."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    fields = template.fields
+    shape, strides, padding = fields["shape"], fields["strides"], fields["padding"]
+    if meta is None:
+        tail = [*shape, *strides, padding == "nan", *shape, *strides]
+        return lambda t: [t, *tail]
+    if strides[-1] != 1:
+        return None
+    if meta["fp4_padded"]:
+        shape = list(shape)
+        shape[-1] *= 2
+    encode_args = (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
+                   shape, strides, 1 if padding == "nan" else 0)
+    sizes = (*shape, *strides)
+    maps = {}
+
+    def flattened(t):
+        address = t.data_ptr()
+        entry = maps.get(address)
+        if entry is None:
+            # Looked up per encode, as make_tensordesc_arg does (a test may stub the driver).
+            encoded = triton.runtime.driver.active.utils.fill_tma_descriptor(address, *encode_args)
+            if len(maps) >= _MAX_MAPS:
+                maps.clear()
+            entry = maps[address] = (encoded, *sizes)
+        return entry
+
+    return flattened
+
+
+class _Direct:
+    """One compiled kernel's launch as ``compiled.run`` makes it, less its Python layer:
+    ``self(gridX, gridY, gridZ, stream, function, packed_metadata, head)`` calls the C launcher
+    with the leading arguments ``CudaLauncher`` passes (no launch metadata and no hooks, as
+    every direct launch here) and the parameters ``head + tail`` flattened as
+    ``wrap_handle_tensordesc`` flattens them: each descriptor position of ``head`` replaced by
+    its step's list."""
+
+    __slots__ = ("raw", "cooperative", "pdl", "steps", "tail")
+
+    def __init__(self, raw, cooperative, pdl, steps, tail):
+        self.raw, self.cooperative, self.pdl, self.steps, self.tail = raw, cooperative, pdl, steps, tail
+
+    def __call__(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, head):
+        # The leading arguments, then the parameters: head's runs between descriptor positions,
+        # each descriptor position's list, the tail.
+        flat = [grid_0, grid_1, grid_2, stream, function, self.cooperative, self.pdl, None, None, packed_metadata,
+                None, None, None]
+        start = 0
+        for i, expand in self.steps:
+            flat += head[start:i]
+            flat += expand(head[i])
+            start = i + 1
+        flat += head[start:]
+        flat += self.tail
+        self.raw(*flat)
+
+
+def _direct(compiled, n_head: int, tail: tuple, templates: dict):
+    """The :class:`_Direct` launch of ``compiled`` for parameters ``head + tail`` (``head`` of
+    ``n_head`` values; ``templates``: position in ``head`` -> the ``DescriptorTemplate`` whose
+    descriptor the call's tensor there stands for), or ``None``: ``compiled.run`` then.
+
+    The descriptor positions are the launcher's own: a position of ``head`` that it flattens is
+    flattened here (from its template, or by ``make_tensordesc_arg`` on whatever the call
+    passes), so the list is the one ``inner`` builds.  A descriptor position in the tail, or a
+    template at a position the launcher does not flatten, is not the expected structure."""
+    try:
+        parts = _launcher_parts(compiled)
+    except Exception:  # noqa: BLE001 - e.g. the handles fail to load: compiled.run raises it
+        return None
+    if parts is None:
+        return None
+    raw, cooperative, pdl, descriptors = parts
+    if any(i >= n_head for i in descriptors) or any(i not in descriptors for i in templates):
+        return None
+    steps = []
+    for i, meta in sorted(descriptors.items()):
+        expand = _template_descriptor(templates[i], meta) if i in templates else _plain_descriptor(meta)
+        if expand is None:
+            return None
+        steps.append((i, expand))
+    return _Direct(raw, cooperative, pdl, tuple(steps), tuple(tail))
+
+
 def _key(cache, device, args, options, dynamic):
     """The call's key (see the module doc), or ``None`` when an argument is of a type the key
     does not describe.  Raises TypeError for an unhashable option value."""
@@ -303,7 +479,7 @@ def launch(kernel, grid: tuple, args: tuple, options: dict, dynamic: tuple = ())
 
 def _launch(kernel, grid, args, options, dynamic):
     """:func:`launch`; returns what the key of this call holds once it is done: ``(compiled
-    kernel, constexpr tail)`` when later calls of its class may launch directly, ``_FAILED``
+    kernel, constexpr tail, its _Direct or None)`` when later calls of its class may launch directly, ``_FAILED``
     when they may not, ``None`` when this call does not tell (no key, hooks active, ...)."""
     if INTERPRET or grid.__class__ is not tuple or not isinstance(kernel, JITFunction) or torch.compiler.is_compiling():
         _ordinary(kernel, grid, args, options)
@@ -332,8 +508,12 @@ def _launch(kernel, grid, args, options, dynamic):
         return compiled if compiled is _FAILED else None
     grid_0, grid_1, grid_2 = (grid + (1, 1))[:3]
     try:
-        compiled[0].run(grid_0, grid_1, grid_2, _device_functions[1](device), compiled[0].function,
-                        compiled[0].packed_metadata, None, None, None, *args, *compiled[1])
+        if compiled[2] is not None:
+            compiled[2](grid_0, grid_1, grid_2, _device_functions[1](device), compiled[0].function,
+                        compiled[0].packed_metadata, args)
+        else:
+            compiled[0].run(grid_0, grid_1, grid_2, _device_functions[1](device), compiled[0].function,
+                            compiled[0].packed_metadata, None, None, None, *args, *compiled[1])
     except Exception:
         if RAISE_DIRECT_ERRORS:
             raise
@@ -356,7 +536,7 @@ def _remember(cache, key, returned, n_args, options):
         # compile returns a future, not a kernel.
         cache.variants[key] = _FAILED
         return _FAILED
-    entry = cache.variants[key] = (returned, tail)
+    entry = cache.variants[key] = (returned, tail, _direct(returned, n_args, tail, {}))
     return entry
 
 
@@ -374,7 +554,7 @@ class BoundLaunch:
 
     __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "descs", "desc_sample",
                  "desc_fields", "layout_descs", "layouts", "statics", "static_values", "dynamic_of", "tail",
-                 "tail_tensors", "builds", "variants", "generation")
+                 "tail_tensors", "builds", "templates", "variants", "generation")
 
     def __init__(self, kernel, grid, options, args, dynamic, tail_from):
         n = len(args) if tail_from is None else tail_from
@@ -398,6 +578,7 @@ class BoundLaunch:
             raise ValueError("bind: a template's position cannot be dynamic")
         # A template's position takes a tensor, over which the launcher builds the descriptor.
         self.builds = tuple((i, a.over) for i, a in enumerate(head) if a.__class__ is DescriptorTemplate)
+        self.templates = {i: a for i, a in enumerate(head) if a.__class__ is DescriptorTemplate}
         tensors = [i for i, a in enumerate(head) if (isinstance(a, torch.Tensor) or a.__class__ is DescriptorTemplate)
                    and i not in self.dynamic]
         descs = [i for i, a in enumerate(head) if a.__class__ in _DESCRIPTORS and i not in self.dynamic]
@@ -476,20 +657,28 @@ class BoundLaunch:
                 if len(self.variants) >= _MAX_VARIANTS:
                     self.variants.clear()
                 # The launcher's own arguments and the constexprs follow the call's, in one tuple.
-                self.variants[key] = entry if entry is _FAILED else (entry[0], self.tail + entry[1])
+                if entry is _FAILED:
+                    self.variants[key] = entry
+                else:
+                    tail = self.tail + entry[1]
+                    self.variants[key] = (entry[0], tail, _direct(entry[0], self.n_head, tail, self.templates))
             return
         if entry is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
             _ordinary(kernel, self.grid, self.arguments(head), self.options)
             return
-        compiled, tail = entry
-        built = head
-        if self.builds:
-            built = list(head)
-            for i, over in self.builds:
-                built[i] = over(built[i])
+        compiled, tail, direct = entry
         try:
-            compiled.run(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, None,
-                         None, None, *built, *tail)
+            if direct is not None:
+                # The templates' descriptors are flattened from the call's tensors directly.
+                direct(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, head)
+            else:
+                built = head
+                if self.builds:
+                    built = list(head)
+                    for i, over in self.builds:
+                        built[i] = over(built[i])
+                compiled.run(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata,
+                             None, None, None, *built, *tail)
         except Exception:
             if RAISE_DIRECT_ERRORS:
                 raise

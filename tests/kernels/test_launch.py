@@ -10,6 +10,8 @@ of ordinary launches, in eager mode and replayed from a CUDA graph.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton.language as tl
@@ -480,6 +482,255 @@ def test_bound_launchers_keep_every_fallback(toy, monkeypatch):
         call()  # the direct launch fails: relaunched the ordinary way
         call()  # marked failed: ordinary from now on
     assert _kinds(calls) == ["ordinary", "ordinary"]
+
+
+# ---------------------------------------------------------------------------------------
+# The C launcher called directly (launch._Direct): Triton 3.6.0's CudaLauncher, less its loop
+# ---------------------------------------------------------------------------------------
+
+
+def _desc_toy(D, X, E, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass  # never compiled: the ordinary launch is a recorder
+
+
+_DESC_SIGNATURE = {0: "tensordesc<fp32[1, 4, 1, 8]>", 1: "*fp32", 2: "tensordesc<fp32[1, 8, 1, 8]>", 3: "i32",
+                   4: "fp32", 5: "constexpr", 6: "constexpr"}
+
+
+def _meta(block, fp4_padded=False):
+    """A descriptor's metadata as a Hopper compile records it (fp32, 32-byte swizzle)."""
+    return dict(swizzle=1, elem_size=4, elem_type=7, block_size=list(block), fp4_padded=fp4_padded)
+
+
+# Per case, the compiled kernel's ``tensordesc_meta``: for D and E, or None (no TMA lowering).
+_METAS = {"maps": [_meta((1, 4, 1, 8)), _meta((1, 8, 1, 8))], "none": None,
+          "mixed": [None, _meta((1, 8, 1, 8), fp4_padded=True)], "fp4": [_meta((1, 4, 1, 8), fp4_padded=True), None]}
+
+
+class _CLauncher:
+    """A stand-in for the compiled C launcher (no ``__code__``, as a C function): records calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _LauncherCompiled:
+    """A compiled kernel whose ``run`` is Triton's own ``CudaLauncher`` over a recording C launcher."""
+
+    function = "function-handle"
+    packed_metadata = (4, 1, 0)
+
+    def __init__(self, signature, meta, scratch=0):
+        from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
+
+        self.raw = _CLauncher()
+        runner = object.__new__(CudaLauncher)
+        runner.num_ctas = 1
+        runner.launch = wrap_handle_tensordesc(self.raw, signature, meta)
+        runner.global_scratch_size, runner.global_scratch_align = scratch, 8
+        runner.profile_scratch_size, runner.profile_scratch_align = 0, 1
+        runner.launch_cooperative_grid, runner.launch_pdl = False, False
+        self.run = runner
+        self.src = SimpleNamespace(signature=signature)
+
+
+@pytest.fixture
+def raw_toy(monkeypatch):
+    """(kernel, make, encodes, via_python): ``make(meta, signature=..., scratch=...)`` sets the
+    compiled kernel the ordinary launch returns; ``fill_tma_descriptor`` is stubbed to return
+    ``("map", *its inputs)`` and record them in ``encodes``; ``via_python`` counts calls of
+    ``CudaLauncher.__call__`` (the launcher's Python layer)."""
+    import triton
+    from triton.backends.nvidia import driver as nvidia
+
+    kernel = JITFunction(_desc_toy)
+    made = {}
+
+    def make(meta, signature=_DESC_SIGNATURE, scratch=0):
+        made["compiled"] = _LauncherCompiled(signature, meta, scratch)
+        return made["compiled"]
+
+    def ordinary(*args, grid, warmup, **options):
+        return made["compiled"]
+
+    encodes = []
+
+    def fill(*args):
+        encodes.append(args)
+        return ("map", *args)
+
+    via_python = []
+    real_call = nvidia.CudaLauncher.__call__
+
+    def counted(self, *args):
+        via_python.append(args)
+        return real_call(self, *args)
+
+    kernel.run = ordinary
+    monkeypatch.setattr(nvidia.CudaLauncher, "__call__", counted)
+    driver = SimpleNamespace(utils=SimpleNamespace(fill_tma_descriptor=fill))
+    monkeypatch.setattr(triton.runtime.driver, "_active", driver)
+    monkeypatch.setattr(launch_mod, "INTERPRET", False)
+    monkeypatch.setattr(launch_mod, "_device_functions", (lambda: 0, lambda device: 1234))
+    monkeypatch.setattr(launch_mod, "RAISE_DIRECT_ERRORS", True)
+    launch_mod.clear()
+    yield kernel, make, encodes, via_python
+    launch_mod.clear()
+
+
+def _descriptor(t, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def _through_triton(compiled, grid3, params):
+    """What Triton's launcher passes its C launcher for these parameters (``wrap_handle_tensordesc``'s
+    ``inner`` at work): the call recorded, then removed from the record."""
+    compiled.run(*grid3, 1234, compiled.function, compiled.packed_metadata, None, None, None, *params)
+    return compiled.raw.calls.pop()
+
+
+@pytest.mark.parametrize("meta", list(_METAS))
+def test_a_direct_launch_passes_the_c_launcher_what_tritons_loop_passes(raw_toy, meta):
+    kernel, make, encodes, via_python = raw_toy
+    compiled = make(_METAS[meta])
+    x = torch.zeros(8)
+    args = (_descriptor(_grid4(), (1, 4, 1, 8)), x, _descriptor(_grid4(), (1, 8, 1, 8)), 40, 0.5)
+    launch_mod.launch(kernel, (3,), args, dict(BLOCK=16))  # ordinary (the recorder)
+    for _ in range(2):
+        launch_mod.launch(kernel, (3,), args, dict(BLOCK=16))
+    assert not via_python and len(compiled.raw.calls) == 2
+    direct = compiled.raw.calls[:]
+    want = _through_triton(compiled, (3, 1, 1), args + (16, False))
+    assert direct == [want, want]
+    if meta == "maps":  # the maps as make_tensordesc_arg encodes them, at every launch
+        assert want[13][:2] == ("map", args[0].base.data_ptr()) and len(encodes) == 6
+    assert want[:13] == (3, 1, 1, 1234, "function-handle", False, False, None, None, (4, 1, 0), None, None, None)
+
+
+@pytest.mark.parametrize("meta", list(_METAS))
+def test_a_bound_launch_flattens_template_and_descriptor_positions_as_triton(raw_toy, meta):
+    """Template position D (a tensor passed, the template's descriptor built over it), a plain
+    descriptor at E: the C launcher gets what Triton's loop would give it for the descriptors
+    the ordinary launch takes; one encode per address at the template position."""
+    kernel, make, encodes, via_python = raw_toy
+    compiled = make(_METAS[meta])
+    template, e_template = _template(), _template((1, 8, 1, 8))
+    x = torch.zeros(8)
+    bound = launch_mod.bind(kernel, (2, 3), dict(BLOCK=16), (template, x, e_template.over(_grid4()), 40, 0.5),
+                            tail_from=3)
+    tensors = [_grid4() for _ in range(3)]
+    heads = [(t, x, e_template.over(_grid4())) for t in tensors]
+    bound(heads[0])  # ordinary
+    for head in heads + heads:  # each address twice
+        bound(head)
+    assert not via_python and [entry[2] is not None for entry in bound.variants.values()] == [True]
+    direct = compiled.raw.calls[:]
+    for head, got in zip(heads + heads, direct):
+        assert got == _through_triton(compiled, (2, 3, 1), bound.arguments(head) + (16, False))
+    if meta == "maps":
+        # D: one encode per address (3), E: one per launch (6), Triton's loop: 2 per launch (12).
+        assert len(encodes) == 3 + 6 + 12
+
+
+def test_kept_maps_are_each_addresses_and_each_templates_own(raw_toy):
+    """Self-attention passes one tensor at positions whose templates differ (another box), and
+    bound launchers with other templates (another shape and strides) see the same addresses:
+    each gets the map Triton would encode for it, however many addresses go by (the memo of
+    maps is bounded), and an address seen again reuses its map."""
+    kernel, make, encodes, _ = raw_toy
+    compiled = make(_METAS["maps"])
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashtile.kernels.tma import DescriptorTemplate
+
+    first, second = _template((1, 4, 1, 8)), _template((1, 8, 1, 8))
+    wide_sample = torch.zeros(4, 16, 2, 8)
+    other = DescriptorTemplate(TensorDescriptor(wide_sample, list(wide_sample.shape), list(wide_sample.stride()),
+                                                [1, 4, 1, 8]))
+    x = torch.zeros(8)
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (first, x, second, 40, 0.5), tail_from=3)
+    other_bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (other, x, second, 40, 0.5), tail_from=3)
+    pool = [torch.zeros(4 * 16 * 2 * 8) for _ in range(launch_mod._MAX_MAPS + 8)]
+
+    def narrow(flat):
+        return flat[:2 * 16 * 2 * 8].view(2, 16, 2, 8)
+
+    def heads(flat):
+        return ((bound, (narrow(flat), x, narrow(flat))), (other_bound, (flat.view(4, 16, 2, 8), x, narrow(flat))))
+
+    for launcher, head in heads(pool[0]):
+        launcher(head)  # ordinary
+    compiled.raw.calls.clear()
+    launched = []
+    for _ in range(2):
+        for flat in pool:
+            for launcher, head in heads(flat):
+                launcher(head)
+                launched.append((launcher, head))
+    encoded = len(encodes)
+    bound(heads(pool[-1])[0][1])  # kept: no encode for the two template positions
+    assert len(encodes) == encoded
+    calls = compiled.raw.calls[:-1]
+    assert len(calls) == len(launched)
+    for (launcher, head), call in zip(launched, calls):
+        assert call == _through_triton(compiled, (1, 1, 1), launcher.arguments(head) + (16, False))
+
+
+@pytest.mark.parametrize("change", ["version", "scratch", "other_wrapper", "template_not_a_descriptor",
+                                    "descriptor_signature_unwrapped", "not_a_cuda_launcher"])
+def test_an_unexpected_launcher_keeps_tritons_python_layer(raw_toy, monkeypatch, change):
+    """Another Triton, scratch memory to allocate, a launch that is not the wrapper's ``inner``,
+    a template where the launcher flattens no descriptor: the direct launch calls
+    ``compiled.run`` itself, which passes the C launcher what it always does."""
+    from triton.backends.nvidia import driver as nvidia
+
+    kernel, make, _, via_python = raw_toy
+    signature = _DESC_SIGNATURE
+    if change == "template_not_a_descriptor":
+        signature = {**_DESC_SIGNATURE, 0: "*fp32"}
+    compiled = make(_METAS["maps"] if change != "template_not_a_descriptor" else _METAS["maps"][1:], signature,
+                    scratch=16 if change == "scratch" else 0)
+    if change == "version":
+        monkeypatch.setattr(launch_mod, "_TRITON_LAUNCHER", "3.5.0")
+    elif change == "other_wrapper":
+        wrapped = compiled.run.launch
+        compiled.run.launch = lambda *args: wrapped(*args)
+    elif change == "descriptor_signature_unwrapped":
+        compiled.run.launch = compiled.raw
+    elif change == "not_a_cuda_launcher":
+        runner = compiled.run
+
+        class Subclass(nvidia.CudaLauncher):
+            pass
+
+        compiled.run = object.__new__(Subclass)
+        compiled.run.__dict__.update(runner.__dict__)
+    if change == "scratch":  # the scratch Triton allocates is recorded
+        from triton.runtime import _allocation
+
+        token = _allocation._allocator.set(lambda size, align, stream: ("scratch", size))
+    template = _template()
+    x = torch.zeros(8)
+    e = _template((1, 8, 1, 8)).over(_grid4())
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (template, x, e, 40, 0.5), tail_from=3)
+    try:
+        for _ in range(3):
+            bound((_grid4(), x, e))
+    finally:
+        if change == "scratch":
+            _allocation._allocator.reset(token)
+    assert len(via_python) == 2
+    assert [entry[2] for entry in bound.variants.values()] == [None]
+    if change == "descriptor_signature_unwrapped":
+        return  # the C launcher then gets descriptors: on a GPU it would raise, and the launch falls back
+    if change == "scratch":
+        assert compiled.raw.calls[0][7] == ("scratch", 16)
+    assert len(compiled.raw.calls) == 2
 
 
 # ---------------------------------------------------------------------------------------
