@@ -843,6 +843,53 @@ def test_gpu_direct_launches_replay_in_a_cuda_graph(page_size, strict_direct, mo
         assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine, d", [("auto", 64), ("auto", 128), ("triton", 128)])
+def test_gpu_direct_forward_calls_the_c_launcher_bitwise_as_the_ordinary_launch(engine, d, strict_direct,
+                                                                                monkeypatch):
+    """The dense forward's bound launches reach Triton's C launcher directly on this Triton (the
+    pinned structure is recognised: no variant keeps ``compiled.run``), and give bitwise the
+    ordinary launch's results: new inputs at addresses the allocator hands out again (kept
+    tensor maps), one tensor at every descriptor position (a map per position's box)."""
+    import flashtile
+
+    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
+    made = []
+    real_direct = launch_mod._direct
+
+    def recorded(*args):
+        made.append(real_direct(*args))
+        return made[-1]
+
+    monkeypatch.setattr(launch_mod, "_direct", recorded)
+    g = torch.Generator().manual_seed(2)
+
+    def new():
+        return torch.randn(2, 256, 8, d, generator=g).to("cuda", torch.bfloat16)
+
+    def ordinary(q, k, v):
+        monkeypatch.setattr(launch_mod, "INTERPRET", True)  # every launch the ordinary way
+        try:
+            return flashtile.flash_attn_func(q, k, v, causal=True)
+        finally:
+            monkeypatch.setattr(launch_mod, "INTERPRET", False)
+
+    k, v = new(), new()
+    for step in range(4):
+        q = new()  # the previous q is freed: the allocator may hand its address out again
+        counted = strict_direct["ordinary"]
+        got = flashtile.flash_attn_func(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        assert strict_direct["ordinary"] == counted + (step == 0)
+        assert torch.equal(got, ordinary(q, k, v))
+    counted = strict_direct["ordinary"]
+    got = flashtile.flash_attn_func(q, q, q, causal=True)
+    torch.cuda.synchronize()
+    assert strict_direct["ordinary"] == counted
+    assert torch.equal(got, ordinary(q, q, q))
+    assert made and all(direct is not None for direct in made)
+
+
 def test_dynamic_hints_name_the_growing_lengths():
     """The decode launchers' ``dynamic`` positions point at the shared int length (a stale
     position would only cost speed, not correctness: the hint does not change the key)."""
