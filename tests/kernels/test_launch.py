@@ -3,9 +3,11 @@
 On the CPU the layer's bookkeeping is checked with a ``JITFunction`` whose ``run`` (the
 ordinary launch) is replaced by a recorder that returns a fake compiled kernel: which calls
 go the ordinary way, which are launched directly, with which arguments.  The key's argument
-classes are checked against Triton's own specialisation (``native_specialize_impl``).
-On a GPU (``gpu`` marker) the decode kernels launched directly must give bitwise the results
-of ordinary launches, in eager mode and replayed from a CUDA graph.
+classes are checked against Triton's own specialisation (``native_specialize_impl``).  The
+C launcher called directly is checked against Triton's own ``CudaLauncher`` (its descriptor
+loop) over a recording C launcher.  On a GPU (``gpu`` marker) the decode and dense forward
+kernels launched directly must give bitwise the results of ordinary launches (the decode ones
+in eager mode and replayed from a CUDA graph).
 """
 
 from __future__ import annotations
