@@ -196,13 +196,17 @@ def test_kept_plans_go_stale_with_the_cache(monkeypatch):
 # launches, for both engines
 # --------------------------------------------------------------------------------------
 
-in_child = pytest.mark.skipif(INTERPRET, reason="run by test_stubbed_gpu_without_the_interpreter")
+# The stubs patch process-wide state (torch.Tensor.is_cuda, Triton's launch, device queries)
+# and leave compiled-kernel caches behind them, so a process that also runs real kernels --
+# the interpreter's, or a GPU's -- runs them in a child without either.
+STUBS_IN_CHILD = INTERPRET or torch.cuda.is_available()
+in_child = pytest.mark.skipif(STUBS_IN_CHILD, reason="run by test_stubbed_gpu_without_the_interpreter")
 
 
 def test_stubbed_gpu_without_the_interpreter():
-    if not INTERPRET:
+    if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "stubbed and not without_the_interpreter"], env=env, capture_output=True, text=True,
                           timeout=600)

@@ -389,10 +389,12 @@ def test_tuning_knobs_from_environment(monkeypatch):
     assert ks.plan(4, n, elem_bytes=2)["strategy"] == "split"
     assert ks.plan(4, n, elem_bytes=4, masked=True)["strategy"] == "split"  # masked rows stream
     assert ks.plan(4, n, elem_bytes=4, masked=True, strategy="cooperative")["strategy"] == "cooperative"
-    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,cooperative_max=100,coop_fwd_min_bytes=0")
+    # fused_min_rows_per_sm=0: the fused path for any row count, whatever the device's SM count.
+    monkeypatch.setenv(ks.TUNING_ENV,
+                       "in_register_max=8,cooperative_max=100,coop_fwd_min_bytes=0,fused_min_rows_per_sm=0")
     assert ks.plan(4, 9)["strategy"] == "cooperative" and ks.plan(4, 8)["strategy"] == "registers"
     assert ks.plan(4, 101)["strategy"] == "fused"
-    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,coop_bwd_max=0,coop_block=128")
+    monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=8,coop_bwd_max=0,coop_block=128,fused_min_rows_per_sm=0")
     assert ks.plan(4, 9, backward=True)["strategy"] == "fused" and ks.knobs()["coop_block"] == 128
     for bad in ("bogus=1", "unroll", "unroll=two"):
         monkeypatch.setenv(ks.TUNING_ENV, bad)
@@ -424,7 +426,7 @@ def _online_input(n, mode, seed):
     grows in every tile; leading tiles all -inf; and a fourth row that is fully masked (bool),
     partially masked (additive) or very large (no mask)."""
     x = randn(4, n, seed=seed)
-    x[1] = torch.linspace(-20.0, 20.0, n) + 0.1 * x[1]
+    x[1] = torch.linspace(-20.0, 20.0, n, device=x.device) + 0.1 * x[1]
     x[2, : (3 * n) // 5] = NEG_INF
     if n == 1:
         x[2, 0] = 0.5  # a 1-column row cannot be both -inf and non-empty
@@ -661,7 +663,7 @@ def test_public_api_through_streaming_paths(monkeypatch, log, path):
     view, a sliced one) and masks go through it too."""
     monkeypatch.setenv(ks.TUNING_ENV, "in_register_max=64," + {
         "cooperative": "cooperative_max=1000,coop_fwd_min_bytes=0",
-        "fused": "coop_bwd_max=0",
+        "fused": "coop_bwd_max=0,fused_min_rows_per_sm=0",
         "split": "coop_bwd_max=0,fused_min_rows_per_sm=1000000",
     }[path])
     p = ks.plan(2, 130)
