@@ -790,6 +790,30 @@ def test_gpu_bad_indices_in_a_cuda_graph_touch_nothing(page_size):
         assert not torch.isnan(out).any()
 
 
+def test_shared_memory_query_is_a_constant_for_dynamo(monkeypatch):
+    """The launch configuration asks Triton's driver for the device's shared memory, a C
+    extension Dynamo cannot trace: under ``torch.compile(fullgraph=True)`` the answer must be a
+    constant of the trace, not a graph break (stood in for here by a compiler-disabled query)."""
+    import triton
+
+    from flashtile.kernels import decode as kd
+
+    class Driver:
+        class utils:
+            get_device_properties = staticmethod(torch.compiler.disable(lambda index: {"max_shared_mem": 1234}))
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver)
+    monkeypatch.setattr(kd, "INTERPRET", False)
+    kd.smem_budget.cache_clear()
+    try:
+        torch._dynamo.reset()
+        budget = torch.compile(lambda x: x + kd.smem_budget(0), fullgraph=True)(torch.zeros(2))
+        assert budget.tolist() == [1234.0, 1234.0]
+    finally:
+        kd.smem_budget.cache_clear()
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("append, lengths, page_size, rotary", [
     (False, "int", None, False), (False, "tensor", None, False), (True, "int", None, False),

@@ -533,6 +533,7 @@ DEFAULT_SMEM_BYTES = 232448
 
 
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # a device query Dynamo cannot trace: a constant of the trace
 def smem_budget(device_index: int | None) -> int:
     """Bytes of shared memory one program may use on that CUDA device (``None``: the default)."""
     if device_index is None or INTERPRET:
