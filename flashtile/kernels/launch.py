@@ -21,7 +21,8 @@ Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6
   a constexpr) and whether it is a multiple of 16; a float / bool / None by type; a tuple
   element by element; a host TMA descriptor by its dtype, base alignment, block shape
   (plain int dims only), padding (and a Gluon one's shared layout, by its text).  The
-  constexprs and launch options are in the key by value, as is the current device.  Two
+  constexprs and launch options are in the key by value, as are the current device and the
+  debug and instrumentation modes Triton adds to the options (``_compile_modes``).  Two
   calls with one key therefore get one compiled kernel from Triton, and the first call of
   every key goes through ``kernel[grid]`` itself, whose returned kernel is the one cached.
 * The launcher (``CompiledKernel.run``) takes every parameter in signature order and
@@ -40,8 +41,8 @@ Why the direct launch runs exactly the kernel the ordinary one would (Triton 3.6
 :func:`bind` goes one step further for a caller that launches one kernel again and again with
 the same grid, options and non-tensor arguments (a launch plan): it keeps the compiled variant
 per the only classes that can still change -- each tensor's (and each host descriptor's base
-tensor's) type, dtype and 16-byte alignment, the ``dynamic`` ints' classes and the current
-device -- so a call costs a few C-level gathers and one dict look-up before the launcher.  Its
+tensor's) type, dtype and 16-byte alignment, the ``dynamic`` ints' classes, the current
+device and Triton's debug modes -- so a call costs a few C-level gathers and one dict look-up before the launcher.  Its
 first call of each class goes through :func:`launch` (ordinary launch, or a variant
 :func:`launch` already holds), and every rule above (interpreter, tracing, hooks, failures)
 applies to it unchanged.
@@ -262,6 +263,14 @@ def _hooks_idle() -> bool:
     return True
 
 
+def _compile_modes(kernel) -> tuple:
+    """What ``JITFunction.run`` adds to the options it compiles with from outside the call:
+    ``debug`` (the kernel's own, or ``knobs.runtime.debug``) and
+    ``knobs.compilation.instrumentation_mode``.  Either changes the compiled variant, so both
+    are in the keys (setting ``knobs.runtime.debug = True`` must reach every launch)."""
+    return getattr(kernel, "debug", None), knobs.runtime.debug, knobs.compilation.instrumentation_mode
+
+
 def _ordinary(kernel, grid, args, options):
     return kernel[grid](*args, **options)
 
@@ -462,8 +471,8 @@ def _key(cache, device, args, options, dynamic):
         if _UNCLASSIFIED in dyn:
             return None  # e.g. a tuple holding a numpy scalar
     # The option types too: True == 1 as dict keys, but Triton compiles them apart.
-    return (device, tuple(options.items()), tuple(map(type, options.values())), types, int_classes, dyn,
-            tensor_classes)
+    return (device, _compile_modes(cache.kernel), tuple(options.items()), tuple(map(type, options.values())), types,
+            int_classes, dyn, tensor_classes)
 
 
 def launch(kernel, grid: tuple, args: tuple, options: dict, dynamic: tuple = ()) -> None:
@@ -646,7 +655,7 @@ class BoundLaunch:
         else:
             dyn = tuple(_tuple_class(a) if a.__class__ is tuple else _arg_class(a) for a in dyn_of(head))
         device = _device_functions[0]() if _device_functions is not None else None
-        key = (device, tuple(map(type, tensors)), dtypes, aligned, dyn)
+        key = (device, _compile_modes(self.kernel), tuple(map(type, tensors)), dtypes, aligned, dyn)
         entry = self.variants.get(key)
         kernel = self.kernel
         if entry is None:
@@ -715,8 +724,8 @@ def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), t
     ``dynamic`` positions any value; and at every other position the sample's very object
     (``is``: the caller keeps its ints, floats and flags in one place, such as a launch plan).
     Then the compiled variant depends only on the tensors' and the descriptors' bases' types,
-    dtypes and alignment, the dynamic arguments' classes and the current device, which are the
-    bound launcher's key; a call that breaks the rule goes through :func:`launch` and its full
+    dtypes and alignment, the dynamic arguments' classes, the current device and Triton's debug
+    modes (``_compile_modes``), which are the bound launcher's key; a call that breaks the rule goes through :func:`launch` and its full
     key, so it is still exact.
 
     Why a descriptor's objects suffice: Triton specialises a descriptor by its class, its

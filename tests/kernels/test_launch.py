@@ -182,6 +182,39 @@ def test_launch_hooks_and_pre_run_hooks_force_ordinary_launches(toy):
     assert _kinds(calls) == ["ordinary", "ordinary", "ordinary", "direct"]
 
 
+@pytest.mark.parametrize("knob", ["runtime_debug", "kernel_debug", "instrumentation_mode"])
+def test_tritons_debug_and_instrumentation_modes_are_in_the_key(toy, monkeypatch, knob):
+    """JITFunction.run compiles with ``debug`` (the kernel's own or ``knobs.runtime.debug``) and
+    ``knobs.compilation.instrumentation_mode`` among its options: a variant compiled without
+    them must not be launched directly once they are set (nor the other way round), through
+    launch() and through a bound launcher."""
+    kernel, calls = toy
+    x, y = torch.zeros(8), torch.zeros(8)
+    args, options = (x, y, 40, 0.5), dict(BLOCK=16)
+    bound = launch_mod.bind(kernel, (1,), options, args)
+
+    def set_mode(on):
+        if knob == "runtime_debug":
+            monkeypatch.setattr(knobs.runtime, "debug", on)
+        elif knob == "kernel_debug":
+            monkeypatch.setattr(kernel, "debug", on)
+        else:
+            monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan" if on else "")
+
+    for call in (lambda: launch_mod.launch(kernel, (1,), args, options), lambda: bound(args)):
+        launch_mod.clear()
+        calls.clear()
+        set_mode(False)
+        call()
+        call()
+        set_mode(True)  # Triton compiles another variant: the first launch is ordinary
+        call()
+        call()
+        set_mode(False)
+        call()
+        assert _kinds(calls) == ["ordinary", "direct", "ordinary", "direct", "direct"]
+
+
 def test_a_failing_direct_launch_falls_back_once_and_for_good(toy):
     kernel, calls = toy
     args, options = (torch.zeros(8), torch.zeros(8), 40, 0.5), dict(BLOCK=16)
