@@ -790,6 +790,7 @@ def test_gpu_bad_indices_in_a_cuda_graph_touch_nothing(page_size):
         assert not torch.isnan(out).any()
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_shared_memory_query_is_a_constant_for_dynamo(monkeypatch):
     """The launch configuration asks Triton's driver for the device's shared memory, a C
     extension Dynamo cannot trace: under ``torch.compile(fullgraph=True)`` the answer must be a
