@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
-#   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests attention softmax softmax_tests tune_softmax
-#                                                 hopper parity_tests features decode decode_host decode_iam
+#   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax
+#                                                 hopper parity_tests features generate decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -27,6 +27,8 @@ for part in $parts; do
   case $part in
     tests) run gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
     all_tests) run all_tests 590 python3 -m pytest tests -q -p no:cacheprovider -p no:warnings ;;  # unmarked tests run on CUDA too
+    all_tests_xdist) run all_tests_xdist 480 python3 -m pytest tests -n 16 -v -rfE -p no:cacheprovider -p no:warnings
+                     grep -E "FAILED|ERROR" "$RES/all_tests_xdist.log" | tail -40 ;;  # ~340 s on an H200 host; -v names each test as it ends
     attention) run attention 420 python3 -m flashtile.bench.gpu --out "$RES" ;;
     softmax) run softmax 120 python3 -m flashtile.bench.softmax --out "$RES" ;;
     softmax_tests) run softmax_tests 220 python3 -m pytest tests/kernels/test_softmax_kernels.py -m gpu -q \
@@ -47,6 +49,7 @@ for part in $parts; do
                     tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
                     -q -p no:cacheprovider -p no:warnings ;;  # unmarked kernel tests run on CUDA too
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
+    generate) run generate 150 python3 benchmarks/bench_generate.py --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
                  run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \
