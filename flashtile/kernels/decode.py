@@ -784,7 +784,9 @@ def step_plan(q, k_cache, v_cache, k, v, block_table, has_seqlens, has_batch_idx
 
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,
            softcap, alibi_slopes, num_splits, cache_leftpad=None, seqlen_new=0):
-    """Decode attention: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h, nq))``.
+    """Decode attention without an append: ``(out (b, nq, h, d) in q's dtype, lse fp32 (b, h,
+    nq))``.  ``flash_attn_with_kvcache`` launches through :func:`step_plan` (the same split
+    kernel, with the append fused); this entry point attends to a cache as it is.
 
     ``seqlens_k``: int32 / int64 ``(batch,)`` cache lengths, or one int for every sequence (no
     tensor to fill: a decoding step is short enough that one launch fewer shows); the kernel
@@ -855,8 +857,9 @@ def _append_kv(
     With ``ROTARY`` the new keys are rotated on their way into the cache (:func:`_rotary_tables`,
     at rotary position ``SEQLENS[b] + t``, less ``LEFTPAD[b]`` with ``HAS_LEFTPAD``), rounded
     to k's dtype, then to the cache's: what apply_rotary_emb + the append store.  The split
-    kernel appends the same way (its ``APPEND``); this kernel serves callers that append
-    alone."""
+    kernel appends the same way (its ``APPEND``), and ``flash_attn_with_kvcache`` uses that
+    fused form; this standalone append (:func:`append_kv`) is the independent implementation
+    the tests hold the fused one to."""
     b = tl.program_id(0)
     all_ok = _append_valid(SEQLENS, CACHE_BATCH_IDX, BLOCK_TABLE, stride_bt, stride_btc, batch, seqlen_new, capacity,
                            cache_rows, seqlen_all, BLOCK_B, BLOCK_P, PAGED, PAGE_SIZE, HAS_BATCH_IDX, HAS_SEQLENS)
