@@ -1,5 +1,7 @@
 """Host side of the TMA tiles: head-dim padding, TMA-ready tensors, tensor descriptors."""
 
+import functools
+
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -30,6 +32,28 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
 def descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDescriptor:
     # Shape keeps the *true* head dim: columns past it read as zeros and are never written.
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_pad])
+
+
+def checks_pass(shape: list, strides: list, t: torch.Tensor, rows: int, hd: int) -> bool:
+    """Whether ``TensorDescriptor``'s constructor checks would pass for a ``[1, rows, 1, hd]``
+    box over ``t`` (``shape``, ``strides``: ``t``'s): 4-D, non-empty, unit last stride,
+    16-byte aligned base and strides, a valid box.  They cost microseconds per descriptor, so
+    the launchers build a descriptor without them where this cheap test passes (and through
+    the checked constructor, which raises, where it does not)."""
+    elt = t.element_size()
+    return not (len(shape) != 4 or 0 in shape or strides[-1] != 1 or t.data_ptr() & 15
+                or any((s * elt) & 15 for s in strides[:-1]) or not _valid_box(rows, hd))
+
+
+@functools.lru_cache(maxsize=None)
+def _valid_box(rows: int, hd: int) -> bool:
+    from triton._utils import validate_block_shape
+
+    try:
+        validate_block_shape([1, rows, 1, hd])
+    except (AssertionError, ValueError):
+        return False
+    return True
 
 
 class DescriptorTemplate:

@@ -21,13 +21,11 @@ kernel arguments, the longest packed sequence, removing the head-dim padding).
 
 from __future__ import annotations
 
-import functools
-
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashtile.kernels.tma import descriptor, tma_ready
+from flashtile.kernels.tma import checks_pass, descriptor, tma_ready
 
 
 @triton.jit
@@ -115,27 +113,15 @@ def fast_descriptor(t, rows, hd):
     """``descriptor(t, rows, hd)`` (a ``[1, rows, 1, hd]`` box over ``t``) without
     ``TensorDescriptor``'s per-call checks where they are known to pass: ``t`` is
     ``tma_ready`` (16-byte aligned base and strides, unit last stride; checked again here),
-    non-empty, and the box was validated once (``_checked_box``).  Anything else goes
+    non-empty, and the box valid (``tma.checks_pass``).  Anything else goes
     through the checked constructor, which raises as before."""
     shape, strides = list(t.shape), list(t.stride())
-    elt = t.element_size()
-    if (0 in shape or strides[-1] != 1 or t.data_ptr() & 15 or len(shape) != 4
-            or any((s * elt) & 15 for s in strides[:-1]) or not _checked_box(rows, hd)):
+    if not checks_pass(shape, strides, t, rows, hd):
         return descriptor(t, rows, hd)
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=[1, rows, 1, hd], padding="zero")
     return desc
 
-
-@functools.lru_cache(maxsize=None)
-def _checked_box(rows: int, hd: int) -> bool:
-    from triton._utils import validate_block_shape
-
-    try:
-        validate_block_shape([1, rows, 1, hd])
-    except (AssertionError, ValueError):
-        return False
-    return True
 
 
 def dropout_args(dropout: tuple | None) -> dict:

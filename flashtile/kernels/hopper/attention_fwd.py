@@ -51,7 +51,7 @@ from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, sm_count
 from flashtile.kernels.tile_info import dealt_tile, sequence_bounds
-from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
+from flashtile.kernels.tma import DescriptorTemplate, checks_pass, padded_headdim
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -410,25 +410,13 @@ def descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
     is built without them; anything else goes through the checked constructor."""
     shape, strides = list(t.shape), list(t.stride())
     layout = _nvmma_layout(rows, hd, t.dtype)
-    elt = t.element_size()
-    if (len(shape) != 4 or 0 in shape or strides[-1] != 1 or t.data_ptr() & 15
-            or any((s * elt) & 15 for s in strides[:-1]) or not _valid_box(rows, hd)):
+    if not checks_pass(shape, strides, t, rows, hd):
         return TensorDescriptor(t, shape, strides, [1, rows, 1, hd], layout)
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=[1, rows, 1, hd], layout=layout,
                          padding="zero")
     return desc
 
-
-@functools.lru_cache(maxsize=None)
-def _valid_box(rows: int, hd: int) -> bool:
-    from triton._utils import validate_block_shape
-
-    try:
-        validate_block_shape([1, rows, 1, hd])
-    except (AssertionError, ValueError):
-        return False
-    return True
 
 
 def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None):
