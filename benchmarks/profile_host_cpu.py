@@ -124,6 +124,7 @@ def stubbed_gpu():
 
     class _Props:
         multi_processor_count = 132
+        L2_cache_size = 60 << 20  # as torch reports it on an H200
         major, minor = 9, 0
 
     saved = []

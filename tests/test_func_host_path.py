@@ -144,6 +144,7 @@ def test_planned_forward_equals_the_general_path(case):
     elif case == "strided":
         q = torch.randn(2, 40, 8, 32)[:, :, ::2]  # strided heads: TMA-ready as it is
     forward.clear_plans()
+    forward.fwd(q, k, v, params)  # a key's first call goes the general way; the second builds the plan
     got = forward.fwd(q, k, v, params)
     assert len(forward.plans) == 1 and next(iter(forward.plans.values())) is not forward.NO_PLAN
     want = forward._forward(Layout(q, k), q, k, v, params, None)
@@ -161,6 +162,7 @@ def test_calls_a_plan_cannot_take_go_the_general_way():
 
     q, k, v = _qkv(shape_q=(1, 20, 2, 40), shape_k=(1, 20, 2, 40))  # head dim 40: padded to 64
     forward.clear_plans()
+    forward.fwd(q, k, v, AttentionParams(0.3))
     out, _ = forward.fwd(q, k, v, AttentionParams(0.3))
     assert list(forward.plans.values()) == [forward.NO_PLAN]
     torch.testing.assert_close(out, flashtile.flash_attn_func(q, k, v, softmax_scale=0.3))
@@ -183,6 +185,8 @@ def test_kept_plans_go_stale_with_the_cache(monkeypatch):
     q, k, v = _qkv()
     params = AttentionParams(0.3)
     memo = interface._Checked(params)
+    ops.eager_forward(q, k, v, params, memo)
+    assert memo.plans is None, "a key's first call goes the general way, building no plan"
     ops.eager_forward(q, k, v, params, memo)
     kept = memo.plan
     assert kept is not forward.NO_PLAN and memo.plans is forward.plans
@@ -352,11 +356,15 @@ def test_stubbed_planned_calls_launch_directly_what_the_ordinary_launch_got(monk
                 return compiled
 
             monkeypatch.setattr(JITFunction, "run", counting)
-            for _ in range(3):
+            # The key's first call goes the general way (an ordinary launch, the first of its
+            # class); the second builds the plan, whose bound launcher launches directly, or
+            # (the ``tl.*`` engine) ordinarily once more; the later ones directly.
+            for _ in range(4):
                 forward.fwd(q, k, v, params)
     finally:
         forward.clear_plans()
-    assert len(ordinary) == 1 and len(direct) == 2
+    assert len(ordinary) in (1, 2) and len(ordinary) + len(direct) == 4
+    assert all(o == ordinary[0] for o in ordinary)
     name, grid, args, options = ordinary[0]
     assert (name == "attention_fwd_kernel") == (engine == "auto" and d == 128)
     for call in direct:
@@ -402,15 +410,16 @@ def test_stubbed_planned_calls_pass_the_c_launcher_what_tritons_launcher_passes(
                 return compiled
 
             monkeypatch.setattr(JITFunction, "run", counting)
-            for _ in range(3):
+            # As above: one or two ordinary launches, the rest direct.
+            for _ in range(4):
                 forward.fwd(q, k, v, params)
-            assert len(ordinary) == 1 and len(raw) == 2
+            assert len(ordinary) in (1, 2) and len(ordinary) + len(raw) == 4
             kernel, grid, args, options, compiled = ordinary[0]
             constexprs = [options.get(p.name, p.default) for p in kernel.params[len(args):]]
             compiled.run(*(grid + (1, 1))[:3], 0, compiled.function, compiled.packed_metadata, None, None, None,
                          *args, *constexprs)
     finally:
         forward.clear_plans()
-    want = _describe(raw[2], inputs)
-    assert _describe(raw[0], inputs) == want and _describe(raw[1], inputs) == want
-    assert any(isinstance(a, tuple) and a[:2] == ("map", "q") for a in raw[2])
+    want = _describe(raw[-1], inputs)
+    assert all(_describe(r, inputs) == want for r in raw[:-1])
+    assert any(isinstance(a, tuple) and a[:2] == ("map", "q") for a in raw[-1])

@@ -183,7 +183,9 @@ def test_tiny_forward_skips_the_custom_op_only_when_nothing_needs_it(stub, monke
     for _ in range(3):
         flashtile.flash_attn_func(q, k, v)
     assert not calls  # the op was skipped
-    assert stub["ordinary"] == 1 and stub["direct"] == 2  # descriptors and tuples are classified
+    # Descriptors and tuples are classified: the first call of the launch class is Triton's
+    # ordinary launch, the plan's launcher (built at the second call) may take one more.
+    assert stub["ordinary"] in (1, 2) and stub["ordinary"] + stub["direct"] == 3
     flashtile.flash_attn_func(q, k.requires_grad_(), v)
     assert len(calls) == 1
 

@@ -799,11 +799,18 @@ def test_shared_memory_query_is_a_constant_for_dynamo(monkeypatch):
 
     from flashtile.kernels import decode as kd
 
+    real = triton.runtime.driver.active if torch.cuda.is_available() else None
+
     class Driver:
         class utils:
             get_device_properties = staticmethod(torch.compiler.disable(lambda index: {"max_shared_mem": 1234}))
 
-    monkeypatch.setattr(triton.runtime.driver, "_active", Driver)
+        def __getattr__(self, name):  # the rest (what Inductor asks on a GPU machine) from the real driver
+            if real is None:
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
     monkeypatch.setattr(kd, "INTERPRET", False)
     kd.smem_budget.cache_clear()
     try:
@@ -812,6 +819,23 @@ def test_shared_memory_query_is_a_constant_for_dynamo(monkeypatch):
         assert budget.tolist() == [1234.0, 1234.0]
     finally:
         kd.smem_budget.cache_clear()
+        torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_decode_launch_configuration_traces_under_fullgraph_compile():
+    """The decode launch configuration is built inside a ``torch.compile(fullgraph=True)`` trace
+    of ``flash_attn_with_kvcache``: its class must be one Dynamo can construct."""
+    from flashtile.kernels import decode as kd
+
+    device = torch.device("cpu")
+    want = kd.launch_config(2, 2, 1024, device, False, 128, 16, 2)
+    try:
+        torch._dynamo.reset()
+        got = torch.compile(lambda x: x + kd.launch_config(2, 2, 1024, device, False, 128, 16, 2).block_n,
+                            fullgraph=True)(torch.zeros(2))
+        assert got.tolist() == [float(want.block_n)] * 2
+    finally:
         torch._dynamo.reset()
 
 

@@ -24,9 +24,9 @@ address is computed on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-import types
 
 import torch
 import triton
@@ -548,8 +548,14 @@ def smem_bytes(block_m: int, block_n: int, hd: int, stages: int, elt: int) -> in
     return elt * (block_m * hd + 2 * stages * block_n * hd + block_m * block_n)
 
 
-class DecodeConfig(types.SimpleNamespace):
-    """``block_m``, ``block_n``, ``stages``, ``num_splits`` of a decode launch."""
+@dataclasses.dataclass
+class DecodeConfig:
+    """The tiles of a decode launch (a dataclass: ``torch.compile`` traces its construction)."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    num_splits: int
 
 
 def launch_config(batch: int, nheads_k: int, capacity: int, device: torch.device, paged: bool, hd: int,

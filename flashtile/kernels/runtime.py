@@ -23,6 +23,14 @@ def sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def l2_bytes(device_index: int) -> int:
+    """The L2 cache of a CUDA device in bytes (50 MB on an H100/H200; 0 in the interpreter)."""
+    if INTERPRET:
+        return 0
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+@functools.lru_cache(maxsize=None)
 def has_programmatic_launch(device_index: int) -> bool:
     """Programmatic dependent launch (Hopper and later): a kernel may start while the one
     before it drains, and waits (``griddepcontrol.wait``) only where it reads that kernel's

@@ -6,6 +6,9 @@ cu_seqlens can move a read or write outside them.  Which key / query tiles a pro
 is ``flashtile/kernels/masking.py``'s.
 """
 
+import functools
+
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -28,21 +31,34 @@ def tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
 
 
 @triton.jit
-def dealt_tile(t, num_items, num_tiles, SPREAD_HEADS: tl.constexpr, HEAVY_LAST: tl.constexpr):
+def dealt_tile(t, num_items, num_tiles, section_heads, SPREAD_HEADS: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """Work item ``t`` of a persistent or flat grid -> (tile index, batch * head).
 
     Without a causal-like mask every tile of a head costs the same, and a head's tiles are
     adjacent (they share its K/V or Q/dO in L2).  With one (``SPREAD_HEADS``), the items are
-    dealt tile by tile across all heads, heaviest first -- the last query tiles
-    (``HEAVY_LAST``, forward) or the first key tiles (backward) -- so the programs' shares
-    come out even and the last wave is short.
+    dealt tile by tile across the heads of a section of ``section_heads`` heads (the last
+    section may be smaller), one section after the other, so that each head's tiles, dealt
+    apart in time, still find its streamed tensors in L2.  The last section goes heaviest
+    first -- the last query tiles (``HEAVY_LAST``, forward) or the first key tiles (backward)
+    -- so the last wave is short, and the sections before it take turns going lightest-first
+    and heaviest-first, so that the costs drawn by consecutive rounds of programs change
+    smoothly across a section's end and the round-robin shares come out even.
+    ``schedule()`` below picks ``section_heads`` on the host.
     """
     if SPREAD_HEADS:
         heads = num_items // num_tiles
-        tile = t // heads
-        if HEAVY_LAST:
-            tile = num_tiles - 1 - tile
-        return tile, t % heads
+        per_section = section_heads * num_tiles
+        section = t // per_section
+        first_head = section * section_heads
+        in_section = tl.minimum(section_heads, heads - first_head)
+        r = t - section * per_section
+        tile = r // in_section
+        num_sections = (heads + section_heads - 1) // section_heads
+        heavy_first = (num_sections - 1 - section) % 2 == 0
+        if not HEAVY_LAST:
+            heavy_first = heavy_first == 0
+        tile = tl.where(heavy_first, num_tiles - 1 - tile, tile)
+        return tile, first_head + r % in_section
     return t % num_tiles, t // num_tiles
 
 
@@ -68,3 +84,43 @@ def sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
         k_start, seqlen_k = clamped_span(CU_K, b, seqlen_k)
         return q_start, seqlen_q, k_start, seqlen_k
     return 0, seqlen_q, 0, seqlen_k
+
+
+# --- The causal schedule, on the host ------------------------------------------------------
+
+
+def section_heads(streamed_bytes_per_head: int, heads: int, budget_bytes: int) -> int:
+    """The most heads a causal schedule may deal across at a time: as many as keep the tensors
+    streamed per head (a query tile's K and V, a key tile's Q and dO) within ``budget_bytes``
+    of L2, at least one, at most ``heads``; a budget of 0 means all."""
+    if budget_bytes <= 0 or streamed_bytes_per_head <= 0:
+        return max(heads, 1)
+    return max(1, min(heads, budget_bytes // streamed_bytes_per_head))
+
+
+def _imbalance(costs, heads, section, programs):
+    # The most loaded program's total over the mean, for the order ``dealt_tile`` gives and
+    # programs taking items round-robin (``costs[i]``: query tile i's cost, heaviest last).
+    num_tiles = len(costs)
+    t = np.arange(num_tiles * heads)
+    sec = t // (section * num_tiles)
+    in_section = np.minimum(section, heads - sec * section)
+    tile = (t - sec * section * num_tiles) // in_section
+    num_sections = -(-heads // section)
+    tile = np.where((num_sections - 1 - sec) % 2 == 0, num_tiles - 1 - tile, tile)
+    w = np.asarray(costs, dtype=np.float64)[tile]
+    load = np.bincount(t % programs, weights=w, minlength=programs)
+    return load.max() * programs / w.sum()
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(costs: tuple, heads: int, programs: int, max_section: int) -> int:
+    """``section_heads`` for a causal persistent grid of ``programs`` programs: among sections
+    of ``max_section / 2 .. max_section`` heads (what fits in L2), the one whose most loaded
+    program carries the least by the cost model ``costs`` (per query tile, heaviest last: its
+    key tiles plus one for the tile's fixed work); the largest of equals.  Evaluated once per
+    shape (well under a millisecond to a few milliseconds with numpy)."""
+    if heads <= 0 or not costs or len(costs) * heads <= programs:  # one round: nothing to even out
+        return max(max_section, 1)
+    candidates = range(max_section, max(1, max_section // 2) - 1, -1)
+    return min(candidates, key=lambda section: round(_imbalance(costs, heads, section, programs), 6))

@@ -270,6 +270,7 @@ def _forward(layout, q, k, v, params: AttentionParams, config):
 _MAX_PLANS = 256
 plans: dict = {}
 NO_PLAN = object()  # a key whose calls go the general way
+_SEEN_ONCE = object()  # a key called once: no plan built yet
 _Tensor = torch.Tensor
 
 
@@ -359,7 +360,8 @@ def _dense_plan(q, k, v, params: AttentionParams):
 
 
 def plan_for(q, k, v, params: AttentionParams):
-    """The cached plan of this call's key (see ``_MAX_PLANS``), or None: the general path."""
+    """The cached plan of this call's key (see ``_MAX_PLANS``), built at the key's second call,
+    or None: the general path."""
     if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
             or torch.compiler.is_compiling()):
         return None
@@ -375,10 +377,17 @@ def plan_for(q, k, v, params: AttentionParams):
            left.__class__, right.__class__, softcap.__class__, engine_setting())
     plan = plans.get(key)
     if plan is None:
-        plan = _dense_plan(q, k, v, params) or NO_PLAN
+        # A key's first call goes the general way: one seen once (a KV cache that grows by a
+        # token a step gives a new shape every call) would pay the plan's construction and
+        # never use it.  The second call builds it.
         if len(plans) >= _MAX_PLANS:
             clear_plans()
-        plans[key] = plan
+        plans[key] = _SEEN_ONCE
+        return None
+    if plan is _SEEN_ONCE:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            return None  # the plan's descriptor templates need 16-byte bases: a later call builds it
+        plan = plans[key] = _dense_plan(q, k, v, params) or NO_PLAN
     return None if plan is NO_PLAN else plan
 
 

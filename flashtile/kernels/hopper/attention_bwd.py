@@ -40,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashtile.kernels.hopper.attention_fwd import descriptor
 from flashtile.kernels.masking import band_mask, query_tiles
-from flashtile.kernels.runtime import cdiv
-from flashtile.kernels.tile_info import dealt_tile, sequence_bounds
+from flashtile.kernels.runtime import cdiv, l2_bytes
+from flashtile.kernels.tile_info import dealt_tile, section_heads, sequence_bounds
 from flashtile.kernels.tma import padded_headdim
 
 LOG2E = 1.4426950408889634
@@ -50,16 +50,17 @@ CONSUMER_KEYS: gl.constexpr = gl.constexpr(64)
 
 
 @gluon.jit
-def _work(pid, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left, window_right,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def _work(pid, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
+          window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
           VARLEN: gl.constexpr):
     """Program ``pid`` -> (b, hk, n0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, key_edge, n_steps).
 
     With a causal-like mask the first key tiles are seen by the most query tiles: they are
-    dealt first across all heads, so the lightest programs make up the last wave.  A key tile
+    dealt first across the heads of an L2-sized section (their Q and dO stay in L2), so the
+    lightest programs make up the last wave.  A key tile
     past a packed sequence's end has ``n_steps = -1``: nothing to load, compute or store.
     """
-    tile, bh = dealt_tile(pid, num_items, gl.cdiv(max_seqlen_k, BLOCK_N), MASK_RIGHT, False)
+    tile, bh = dealt_tile(pid, num_items, gl.cdiv(max_seqlen_k, BLOCK_N), section_heads, MASK_RIGHT, False)
     b = bh // nheads_k
     hk = bh % nheads_k
     n0 = tile * BLOCK_N
@@ -78,14 +79,14 @@ def _work(pid, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k
 def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
               ready, empty,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right, num_items,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     """K and V once; then per step ``c`` (query head ``c // n_steps``, query tile ``c % n_steps``)
     Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it (one
     barrier pair a slot for both tiles: fewer barrier operations in the consumers' loop)."""
     b, hk, n0, q_start, k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
-        gl.program_id(0), num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
-        window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
+        window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
     if n_steps >= 0:
         if VARLEN:
             b = 0  # packed tensors are one batch entry of the descriptors
@@ -135,7 +136,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
               ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
               stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
               seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
-              window_left, window_right, num_items, key_off, col_off,
+              window_left, window_right, num_items, section_heads, key_off, col_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     """Keys ``[key_off, key_off + 64)`` of the program's key tile (their dK, dV and dS rows),
@@ -163,8 +164,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
     add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // ADD_TPR, ADD_TPR], [4, 1], [1, 0])
 
     b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = _work(
-        gl.program_id(0), num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
-        window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
+        window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
     if n_steps >= 0:
         k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
         k_h = k_all.slice(key_off, KEYS, dim=0)
@@ -235,7 +236,7 @@ def attention_bwd_kernel(
     Q_desc, K_desc, V_desc, DO_desc, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
-    window_left, window_right, num_items,
+    window_left, window_right, num_items, section_heads,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -264,17 +265,17 @@ def attention_bwd_kernel(
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty, ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
-                     window_left, window_right, num_items, 0, 0,
+                     window_left, window_right, num_items, section_heads, 0, 0,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty, ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
-                     window_left, window_right, num_items, KEYS, HEAD_DIM // 2,
+                     window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
         (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
                      ready, empty,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
-                     num_items, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                     num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -338,6 +339,8 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
             dq_acc, dk, dv, lse2, delta, cu_q, cu_k, *dq_strides, *kv_strides, stride_lb, stride_lh,
             layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, d,
             softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
+            section_heads(2 * layout.seqlen_q * d * q.element_size() * (layout.nheads // layout.nheads_k),
+                          layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
             HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
             MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
             CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,

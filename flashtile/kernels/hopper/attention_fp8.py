@@ -27,8 +27,8 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel
-from flashtile.kernels.runtime import cdiv, next_power_of_2, sm_count
+from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel, work_schedule
+from flashtile.kernels.runtime import cdiv, l2_bytes, next_power_of_2, sm_count
 
 LOG2E = 1.4426950408889634
 # log2 of the factor P is scaled by before its e4m3 cast: 2^8 = 256 <= 448.
@@ -94,12 +94,15 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
     # (q, k, v) descales as one (3, batch, nheads_k) table: the kernel reads [which, b, hk].
     descales = torch.stack([x.reshape(-1, x.shape[-1] if x.dim() == 2 else 1).expand(batch, nheads_k)
                             for x in (q_descale, k_descale, v_descale)]).contiguous()
-    attention_fwd_kernel[(min(num_items, sm_count(q.device.index)),)](
+    programs = min(num_items, sm_count(q.device.index))
+    attention_fwd_kernel[(programs,)](
         _descriptor(q, [1, cfg.block_m, 1, hd]), _descriptor(k, [1, cfg.block_n, 1, hd]),
         _descriptor(v_t, [1, 1, hd, cfg.block_n]), out, lse, lse, lse, descales,
         out.stride(0), out.stride(1), out.stride(2), nheads * seqlen_q, seqlen_q, descales.stride(0),
         descales.stride(1), seqlen_q, seqlen_k, seqlen_q, nheads, nheads // nheads_k, d, softmax_scale * LOG2E,
         -1, 0 if causal else -1, num_items,
+        work_schedule(batch * nheads, nheads // nheads_k, seqlen_q, seqlen_k, 2 * d, cfg.block_m, cfg.block_n, -1,
+                      0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=True, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,

@@ -49,8 +49,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
-from flashtile.kernels.runtime import cdiv, sm_count
-from flashtile.kernels.tile_info import dealt_tile, sequence_bounds
+from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
+from flashtile.kernels.tile_info import dealt_tile, schedule, section_heads, sequence_bounds
 from flashtile.kernels.tma import DescriptorTemplate, checks_pass, padded_headdim
 
 LOG2E = 1.4426950408889634
@@ -60,19 +60,19 @@ CONSUMER_ROWS: gl.constexpr = gl.constexpr(64)
 
 
 @gluon.jit
-def work_item(t, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-          VARLEN: gl.constexpr):
+def work_item(t, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left,
+              window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     """Work item ``t`` -> (b, h, hk, m0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, n_tiles).
 
     Without a causal-like mask every query tile costs the same and the tiles of one head are
     adjacent (they share its K/V in L2).  With one, cost grows with the row, and items are
-    dealt heaviest first across all heads (longest-processing-time order), so that the
-    programs' round-robin shares come out even and the last wave is short.  Every partition
-    derives the same items from ``t``; an item past a packed sequence's end has
-    ``n_tiles = -1`` and is skipped by all of them.
+    dealt across the heads of an L2-sized section, heaviest first in the last section
+    (``tile_info.dealt_tile``), so that the programs' round-robin shares come out even and the
+    last wave is short.  Every partition derives the same items from ``t``; an item past a
+    packed sequence's end has ``n_tiles = -1`` and is skipped by all of them.
     """
-    tile, bh = dealt_tile(t, num_items, gl.cdiv(max_seqlen_q, BLOCK_M), MASK_RIGHT, True)
+    tile, bh = dealt_tile(t, num_items, gl.cdiv(max_seqlen_q, BLOCK_M), section_heads, MASK_RIGHT, True)
     b = bh // nheads
     h = bh % nheads
     m0 = tile * BLOCK_M
@@ -89,7 +89,7 @@ def work_item(t, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads
 @gluon.jit
 def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr):
     """Per work item: the query tile once its buffer is free, then K_j and V_j into ring slot
     ``count % NUM_STAGES`` once both consumers have released it (``count`` runs across items).
@@ -99,8 +99,8 @@ def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, 
     nprog = gl.num_programs(0)
     for it in range(gl.cdiv(num_items - pid, nprog)):
         b, h, hk, m0, q_start, k_start, _sq, _sk, lo, _fl, _fh, n_tiles = work_item(
-            pid + it * nprog, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left,
-            window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            pid + it * nprog, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
+            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         # An mbarrier starts with its "previous" phase complete: the first waits pass.
         mbarrier.wait(q_empty, (it & 1) ^ 1)
         if n_tiles < 0:
@@ -179,7 +179,7 @@ def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D
 def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
               O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
               stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-              window_left, window_right, num_items, row_off,
+              window_left, window_right, num_items, section_heads, row_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
               FP8: gl.constexpr, OFFSET: gl.constexpr):
@@ -215,8 +215,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
     nprog = gl.num_programs(0)
     for it in range(gl.cdiv(num_items - pid, nprog)):  # it: this program's item count, the query buffer's phase
         b, h, hk, m0, q_start, _ks, sq, sk, lo, full_lo, full_hi, n_tiles = work_item(
-            pid + it * nprog, num_items, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left,
-            window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            pid + it * nprog, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
+            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         scale = qk_scale
         if FP8:
             ds = DESCALES + b * stride_dsb + hk
@@ -315,7 +315,7 @@ def attention_fwd_kernel(
     Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K, DESCALES,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb,
     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right, num_items,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    section_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr,
 ):
@@ -350,16 +350,16 @@ def attention_fwd_kernel(
         (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(0),
                      turns.index(1), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-                     window_left, window_right, num_items, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT,
-                     MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
+                     window_left, window_right, num_items, section_heads, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
                      turns.index(0), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-                     window_left, window_right, num_items, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT,
-                     MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
+                     window_left, window_right, num_items, section_heads, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
         (_producer, (Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
-                     num_items, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
+                     num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -371,10 +371,13 @@ def attention_fwd_kernel(
 class HopperConfig:
     """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
 
-    def __init__(self, block_n, num_stages, pingpong=True, persistent=True, consumer_regs=240, producer_regs=24):
+    def __init__(self, block_n, num_stages, pingpong=True, persistent=True, consumer_regs=240, producer_regs=24,
+                 l2_share=0.5):
         self.block_m = 2 * CONSUMER_ROWS.value
         self.block_n, self.num_stages, self.pingpong = block_n, num_stages, pingpong
         self.persistent = persistent  # one program per SM looping over work items, else one per item
+        # Causal schedules deal across the heads whose K and V fit in this share of L2 (0: all heads).
+        self.l2_share = l2_share
         self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
         # The kernel-wide register cap from which the partitions' budgets are carved: three
         # warpgroups (two consumers, the producer's padded to one) share 64K registers.
@@ -383,7 +386,7 @@ class HopperConfig:
     def __repr__(self):
         return (f"HopperConfig(BLOCK_N={self.block_n}, stages={self.num_stages}, pingpong={self.pingpong}, "
                 f"persistent={self.persistent}, "
-                f"regs={self.consumer_regs}/{self.producer_regs})")
+                f"regs={self.consumer_regs}/{self.producer_regs}, l2_share={self.l2_share})")
 
 
 @functools.lru_cache(maxsize=None)
@@ -418,6 +421,44 @@ def descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
     return desc
 
 
+def query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right) -> tuple:
+    """Per query tile, the key tiles it visits (``masking.key_tiles``' range) plus one for its
+    fixed work (the query load, the first tile's unpipelined scores, the store): the cost
+    model of the causal schedule."""
+    off, costs = seqlen_k - seqlen_q, []
+    for m0 in range(0, seqlen_q, block_m):
+        hi = min(seqlen_k, m0 + block_m + off + window_right) if window_right >= 0 else seqlen_k
+        lo = max(m0 + off - window_left, 0) // block_n * block_n if window_left >= 0 else 0
+        costs.append(max(cdiv(max(hi, 0), block_n) - lo // block_n, 0) + 1)
+    return tuple(costs)
+
+
+@functools.lru_cache(maxsize=1024)
+def work_schedule(heads, group, seqlen_q, seqlen_k, kv_row_bytes, block_m, block_n, window_left, window_right,
+                  programs, l2_budget) -> int:
+    """The kernel's ``section_heads`` (``tile_info.dealt_tile``) for ``heads`` (batch * heads)
+    query heads in GQA groups of ``group``, K and V rows of ``kv_row_bytes`` each.  Causal-like
+    (``window_right >= 0``): sections of at most the heads whose K and V fit in ``l2_budget``
+    bytes (a group's query heads share theirs), sized by ``tile_info.schedule`` for
+    ``programs`` persistent programs (0: one program per item)."""
+    if window_right < 0:
+        return heads
+    max_section = section_heads(seqlen_k * kv_row_bytes // group, heads, l2_budget)
+    if programs == 0:
+        return max_section
+    costs = query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right)
+    return schedule(costs, heads, programs, max_section)
+
+
+def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
+    """:func:`work_schedule` for ``layout``'s attention under ``cfg`` (for a packed batch the
+    longest sequence stands for all)."""
+    programs = min(cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads, sm_count(k.device.index))
+    return work_schedule(layout.batch * layout.nheads, layout.nheads // layout.nheads_k, layout.seqlen_q,
+                         layout.seqlen_k, 2 * k.shape[-1] * k.element_size(), cfg.block_m, cfg.block_n,
+                         window_left, window_right, programs if cfg.persistent else 0,
+                         int(l2_bytes(k.device.index) * cfg.l2_share))
+
 
 def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None):
     """The Hopper forward for ``layout`` (``flashtile.kernels.attention.Layout``): (out, lse).
@@ -449,6 +490,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0,
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
         softmax_scale * LOG2E, window_left, window_right, num_items,
+        layout_schedule(layout, k, cfg, window_left, window_right),
     ), dict(
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
@@ -482,7 +524,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
     args = (*templates, sample_out, sample_lse, unread, unread, unread,
             *sample_out.stride()[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k, layout.seqlen_q,
             layout.nheads, layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E, window_left, window_right,
-            num_items)
+            num_items, layout_schedule(layout, k, cfg, window_left, window_right))
     options = dict(
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=False, PINGPONG=cfg.pingpong,

@@ -45,7 +45,7 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
     cfg = config or fwd.config_for(hd)
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
-            "nheads group headdim window_left window_right num_items").split()
+            "nheads group headdim window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32",
            "CU_K": "*i32", "DESCALES": "*fp32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
@@ -64,7 +64,7 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
     cfg = config or bwd.config_for(hd)
     fn = bwd.attention_bwd_kernel
     ints = ("stride_dqb stride_dqm stride_dqh stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k "
-            "max_seqlen_k nheads_k group headdim window_left window_right num_items").split()
+            "max_seqlen_k nheads_k group headdim window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
            "DQ": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32",
@@ -86,7 +86,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
     cfg = config or fp8.config_for(hd, causal)
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
-            "nheads group headdim window_left window_right num_items").split()
+            "nheads group headdim window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc("fp8e4nv", cfg.block_m, hd), "K_desc": _desc("fp8e4nv", cfg.block_n, hd),
            "V_desc": _desc("fp8e4nv", 0, 0, [1, 1, hd, cfg.block_n]), "O": "*bf16", "LSE": "*fp32",
            "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "qk_scale": "fp32",

@@ -99,3 +99,30 @@ def test_forcing_gluon_on_an_unsupported_call_names_the_reason():
     q, k, v = random_qkv(1, 16, 16, 1, 1, 64, dtype=torch.float32, device="cuda")
     with pytest.raises(NotImplementedError, match="dtype"):
         flashtile.flash_attn_func(q, k, v)
+
+
+@needs_hopper
+@pytest.mark.parametrize("l2_share", [1e-4, 0.01, 0.5])
+def test_gluon_causal_schedules_change_the_order_not_the_result(l2_share):
+    """The causal work order (L2-sized sections of heads, alternating directions, see
+    ``tile_info.dealt_tile``) only decides which program runs which query tile: the outputs
+    and LSE are bit for bit those of a schedule with no L2 budget, with more items than SMs
+    (3 * 12 heads * 8 tiles), GQA 3:1, and sections down to one head."""
+    from flashtile.kernels import attention as ka
+    from flashtile.kernels.hopper import attention_fwd as hopper
+
+    q, k, v = random_qkv(3, 1024, 1024, 12, 4, 128, dtype=torch.bfloat16, device="cuda", seed=3)
+    layout = ka.Layout(q, k)
+    everything = hopper.HopperConfig(block_n=128, num_stages=2, l2_share=0.0)
+    sectioned = hopper.HopperConfig(block_n=128, num_stages=2, l2_share=l2_share)
+    assert hopper.layout_schedule(layout, k, everything, -1, 0) >= 18  # no L2 budget: half the heads or more
+    if l2_share < 0.5:
+        assert hopper.layout_schedule(layout, k, sectioned, -1, 0) < 18
+    want = hopper.forward(layout, q, k, v, 0.1, -1, 0, config=everything)
+    got = hopper.forward(layout, q, k, v, 0.1, -1, 0, config=sectioned)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # The public function twice: the first call goes the general way, the second runs the plan.
+    first = flashtile.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True, return_lse=True)
+    second = flashtile.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True, return_lse=True)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert torch.equal(first[0], want[0])
