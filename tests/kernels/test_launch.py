@@ -939,4 +939,8 @@ def test_dynamic_hints_name_the_growing_lengths():
     from flashtile.kernels.attention import forward
 
     params = list(inspect.signature(forward._attn_fwd.fn).parameters)
-    assert [params[i] for i in forward._FWD_DYNAMIC] == ["seed", "rng_offset"]
+    assert [params[i] for i in forward._FWD_DYNAMIC] == ["seqlen_k", "seed", "rng_offset", "rng_cols"]
+    from flashtile.kernels.hopper import attention_fwd
+
+    params = list(inspect.signature(attention_fwd.attention_fwd_kernel.fn).parameters)
+    assert [params[i] for i in attention_fwd._DYNAMIC] == ["seqlen_k"]

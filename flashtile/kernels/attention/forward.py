@@ -199,10 +199,12 @@ def _unpaged_args(device: torch.device) -> tuple:
     return launch_constant((unread, unread, unread, 0, 0, 0, 0, 0, 0, 0, 0, 0))
 
 
-# The forward's runtime arguments that change from call to call (dropout's seed and counter
-# offset), for the launch layer's key; a plan's bound launcher takes dropout_p from each call
-# too (its plan's key holds only whether there is dropout).
-_FWD_DYNAMIC = (25, 26)
+# The forward's runtime arguments that change from call to call -- dropout's seed and counter
+# offset, and the key count (``rows_k``) with dropout's row pitch (``rng_cols``), which grow by
+# a token a step when a model calls with a KV cache that it extends -- for the launch layer's
+# key; a plan's bound launcher takes dropout_p from each call too (its plan's key holds only
+# whether there is dropout).
+_FWD_DYNAMIC = tuple(_attn_fwd.arg_names.index(name) for name in ("seqlen_k", "seed", "rng_offset", "rng_cols"))
 _FWD_BOUND_DYNAMIC = (24, 25, 26)
 
 

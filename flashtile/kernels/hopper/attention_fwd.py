@@ -460,6 +460,11 @@ def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
                          int(l2_bytes(k.device.index) * cfg.l2_share))
 
 
+# The key count (``rows_k``) among the kernel's runtime arguments: it grows by a token a step
+# when a model calls with a KV cache that it extends (a hint for the launch layer's key).
+_DYNAMIC = (attention_fwd_kernel.arg_names.index("seqlen_k"),)
+
+
 def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None):
     """The Hopper forward for ``layout`` (``flashtile.kernels.attention.Layout``): (out, lse).
 
@@ -496,7 +501,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
         num_warps=4, maxnreg=cfg.maxnreg,
-    ))
+    ), dynamic=_DYNAMIC)
     return out, lse
 
 
