@@ -20,15 +20,16 @@ run() {  # run NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
   echo "=== $name (limit ${limit}s) at $(( $(date +%s) - t0 ))s"
-  timeout "$limit" "$@" > "$RES/$name.log" 2>&1
+  # SIGINT first: pytest and the benchmarks then print their summaries; SIGKILL 20 s later.
+  timeout -s INT -k 20 "$limit" "$@" > "$RES/$name.log" 2>&1
   echo "    rc=$? $(tail -n 3 "$RES/$name.log" | tr '\n' ' ' | cut -c1-300)"
 }
 for part in $parts; do
   case $part in
     tests) run gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:warnings ;;
     all_tests) run all_tests 590 python3 -m pytest tests -q -p no:cacheprovider -p no:warnings ;;  # unmarked tests run on CUDA too
-    all_tests_xdist) run all_tests_xdist 480 python3 -m pytest tests -n 16 -v -rfE -p no:cacheprovider -p no:warnings
-                     grep -E "FAILED|ERROR" "$RES/all_tests_xdist.log" | tail -40 ;;  # ~340 s on an H200 host; -v names each test as it ends
+    all_tests_xdist) run all_tests_xdist 540 python3 -m pytest tests -n 16 -v -rfE -p no:cacheprovider -p no:warnings
+                     grep -E "FAILED|ERROR" "$RES/all_tests_xdist.log" | tail -40 ;;  # 340-450 s on an H200 host; -v names each test as it ends
     attention) run attention 420 python3 -m flashtile.bench.gpu --out "$RES" ;;
     softmax) run softmax 120 python3 -m flashtile.bench.softmax --out "$RES" ;;
     softmax_tests) run softmax_tests 220 python3 -m pytest tests/kernels/test_softmax_kernels.py -m gpu -q \

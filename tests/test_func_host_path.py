@@ -170,6 +170,8 @@ def test_calls_a_plan_cannot_take_go_the_general_way():
     q, k, v = _qkv()
     params = AttentionParams(0.3)
     forward.fwd(q, k, v, params)
+    forward.fwd(q, k, v, params)  # the key's second call: its plan, which the shifted call then finds
+    assert len(forward.plans) == 2 and list(forward.plans.values())[1] is not forward.NO_PLAN
     buf = torch.empty(q.numel() + 1)
     shifted = buf[1:].view(q.shape).copy_(q)
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
@@ -185,14 +187,17 @@ def test_kept_plans_go_stale_with_the_cache(monkeypatch):
     q, k, v = _qkv()
     params = AttentionParams(0.3)
     memo = interface._Checked(params)
+    forward.clear_plans()
     ops.eager_forward(q, k, v, params, memo)
-    assert memo.plans is None, "a key's first call goes the general way, building no plan"
+    assert memo.plans is None and not forward.plans, "a key's first call goes the general way, building no plan"
     ops.eager_forward(q, k, v, params, memo)
     kept = memo.plan
     assert kept is not forward.NO_PLAN and memo.plans is forward.plans
     forward.clear_plans()
-    ops.eager_forward(q, k, v, params, memo)
-    assert memo.plans is forward.plans and memo.plan is not kept
+    for _ in range(2):  # the key is new again: seen once, then planned
+        ops.eager_forward(q, k, v, params, memo)
+    assert memo.plans is forward.plans and memo.plan not in (kept, forward.NO_PLAN)
+    assert list(forward.plans.values()) == [memo.plan]
 
 
 # --------------------------------------------------------------------------------------

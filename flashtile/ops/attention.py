@@ -97,9 +97,6 @@ def _import_kernels_forward():
     return forward
 
 
-_SEEN_ONCE = object()  # a memo entry's plan slot after its first call
-
-
 def eager_forward(q, k, v, params: AttentionParams, memo=None):
     """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`).
 
@@ -112,12 +109,10 @@ def eager_forward(q, k, v, params: AttentionParams, memo=None):
     forward = _kernels_forward or _import_kernels_forward()
     if memo is not None:
         if memo.plans is not forward.plans:
-            if memo.plan is None:
-                # The entry's first call goes the general way, as ``forward.plan_for`` sends a
-                # plan key's first call (a shape seen once builds no plan); the second asks.
-                memo.plan = _SEEN_ONCE
-                return forward.fwd(q, k, v, params)
-            memo.plan, memo.plans = forward.plan_for(q, k, v, params) or forward.NO_PLAN, forward.plans
+            plan = forward.lookup_plan(q, k, v, params)
+            if plan is forward.PENDING:  # not decided yet (a key's first call): ask again next time
+                return forward.general(q, k, v, params)
+            memo.plan, memo.plans = plan, forward.plans
         if memo.plan is not forward.NO_PLAN:
             result = memo.plan(q, k, v, params)
             if result is not None:

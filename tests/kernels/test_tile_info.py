@@ -75,8 +75,9 @@ def test_schedule_evens_out_the_programs(num_tiles, heads, max_section, block_ra
     load = _loads(deal(num_tiles, heads, section, True, True), costs, programs)
     imbalance = max(load) * programs / sum(load)
     assert _imbalance(costs, heads, section, programs) == pytest.approx(imbalance)
+    # The planner compares a few sizes of the range: its pick is within 2 % of the range's best.
     candidates = range(max(1, max_section // 2), max_section + 1)
-    assert imbalance == pytest.approx(min(_imbalance(costs, heads, s, programs) for s in candidates))
+    assert imbalance <= min(_imbalance(costs, heads, s, programs) for s in candidates) + 0.02
     assert imbalance < 1.05
     # Dealing heaviest-first in every section instead is what the alternation fixes here.
     if (num_tiles, heads) == (128, 8):

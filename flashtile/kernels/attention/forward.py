@@ -205,7 +205,7 @@ def _unpaged_args(device: torch.device) -> tuple:
 # key; a plan's bound launcher takes dropout_p from each call too (its plan's key holds only
 # whether there is dropout).
 _FWD_DYNAMIC = tuple(_attn_fwd.arg_names.index(name) for name in ("seqlen_k", "seed", "rng_offset", "rng_cols"))
-_FWD_BOUND_DYNAMIC = (24, 25, 26)
+_FWD_BOUND_DYNAMIC = tuple(_attn_fwd.arg_names.index(name) for name in ("dropout_p", "seed", "rng_offset"))
 
 
 def _forward(layout, q, k, v, params: AttentionParams, config):
@@ -266,21 +266,27 @@ def _forward(layout, q, k, v, params: AttentionParams, config):
 # outputs, builds its descriptors from the plan's templates and launches.  What a plan cannot
 # take (a head dim that needs padding, an unaligned stride, an empty tensor, a 16-byte
 # misaligned base in one call) goes the general way, ``_forward``, which decides as before.
-# A caller that keeps a plan beside its own memo (the public function's argument checks) keeps
-# the ``plans`` dict it came from too, and uses the plan only while that is still ``plans``:
-# emptying the cache replaces the dict, so every kept plan goes stale with it.
+# A key's first call goes the general way too and only its second builds the plan: a model
+# that extends a KV cache by a token a step calls with a new shape every time, and would pay
+# for plans it never uses.  Keys seen once are remembered apart (``_seen_once``), so they
+# never evict plans.  A caller that keeps a plan beside its own memo (the public function's
+# argument checks) keeps the ``plans`` dict it came from too, and uses the plan only while that
+# is still ``plans``: emptying the cache replaces the dict, so every kept plan goes stale with it.
 _MAX_PLANS = 256
+_MAX_SEEN_ONCE = 1024
 plans: dict = {}
+_seen_once: set = set()
 NO_PLAN = object()  # a key whose calls go the general way
-_SEEN_ONCE = object()  # a key called once: no plan built yet
+PENDING = object()  # a key with no plan yet: this call goes the general way, a later one decides
 _Tensor = torch.Tensor
 
 
 def clear_plans() -> None:
-    """Forget the cached launch plans, kept ones included (after a test changes what a plan was
-    built from)."""
+    """Forget the cached launch plans, kept ones included, and the keys seen once (after a test
+    changes what a plan was built from)."""
     global plans
     plans = {}
+    _seen_once.clear()
 
 
 def _tma_strides(t) -> bool:
@@ -361,16 +367,18 @@ def _dense_plan(q, k, v, params: AttentionParams):
     return run
 
 
-def plan_for(q, k, v, params: AttentionParams):
-    """The cached plan of this call's key (see ``_MAX_PLANS``), built at the key's second call,
-    or None: the general path."""
+def lookup_plan(q, k, v, params: AttentionParams):
+    """This call's plan (see ``_MAX_PLANS``): a function ``(q, k, v, params) -> (out, lse) or
+    None``, ``NO_PLAN`` (the key's calls go the general way), or ``PENDING`` (not decided yet:
+    the key's first call, or a second one with a base off the 16-byte grid, which the plan's
+    descriptor templates need)."""
     if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
             or torch.compiler.is_compiling()):
-        return None
+        return NO_PLAN
     alibi = params.alibi_slopes
     if alibi is not None:
         if alibi.__class__ is not _Tensor:
-            return None
+            return NO_PLAN
         alibi = (alibi.shape, alibi.stride(), alibi.dtype, alibi.device)
     scale, left, right, softcap = params.softmax_scale, params.window_left, params.window_right, params.softcap
     # The scalars by value and type (True == 1 == 1.0 as dict keys, not as launch arguments).
@@ -378,19 +386,32 @@ def plan_for(q, k, v, params: AttentionParams):
            v.dtype, v.device, scale, left, right, softcap, params.dropout_p > 0, alibi, scale.__class__,
            left.__class__, right.__class__, softcap.__class__, engine_setting())
     plan = plans.get(key)
-    if plan is None:
-        # A key's first call goes the general way: one seen once (a KV cache that grows by a
-        # token a step gives a new shape every call) would pay the plan's construction and
-        # never use it.  The second call builds it.
-        if len(plans) >= _MAX_PLANS:
-            clear_plans()
-        plans[key] = _SEEN_ONCE
-        return None
-    if plan is _SEEN_ONCE:
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-            return None  # the plan's descriptor templates need 16-byte bases: a later call builds it
-        plan = plans[key] = _dense_plan(q, k, v, params) or NO_PLAN
-    return None if plan is NO_PLAN else plan
+    if plan is not None:
+        return plan
+    if key not in _seen_once:
+        if len(_seen_once) >= _MAX_SEEN_ONCE:
+            _seen_once.clear()
+        _seen_once.add(key)
+        return PENDING
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return PENDING
+    _seen_once.discard(key)
+    plan = _dense_plan(q, k, v, params) or NO_PLAN
+    if len(plans) >= _MAX_PLANS:
+        clear_plans()
+    plans[key] = plan
+    return plan
+
+
+def plan_for(q, k, v, params: AttentionParams):
+    """:func:`lookup_plan`'s plan, or None: the general path."""
+    plan = lookup_plan(q, k, v, params)
+    return None if plan is NO_PLAN or plan is PENDING else plan
+
+
+def general(q, k, v, params: AttentionParams):
+    """:func:`fwd` the general way (no plan)."""
+    return _forward(Layout(q, k), q, k, v, params, None)
 
 
 def fwd(q, k, v, params: AttentionParams, config=None):

@@ -55,9 +55,10 @@ def _work(pid, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seq
           VARLEN: gl.constexpr):
     """Program ``pid`` -> (b, hk, n0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, key_edge, n_steps).
 
-    With a causal-like mask the first key tiles are seen by the most query tiles: they are
-    dealt first across the heads of an L2-sized section (their Q and dO stay in L2), so the
-    lightest programs make up the last wave.  A key tile
+    With a causal-like mask the first key tiles are seen by the most query tiles.  The items
+    go in sections of heads whose Q and dO fit in half of L2, tile by tile across a section's
+    heads (``tile_info.dealt_tile``: the last section's first key tiles first, so the lightest
+    programs make up the last wave; the sections before it alternate direction).  A key tile
     past a packed sequence's end has ``n_steps = -1``: nothing to load, compute or store.
     """
     tile, bh = dealt_tile(pid, num_items, gl.cdiv(max_seqlen_k, BLOCK_N), section_heads, MASK_RIGHT, False)
@@ -231,7 +232,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
         _store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
 
 
-@gluon.jit
+# ``section_heads`` varies with the shape and only causal calls read it: not specialised, so
+# its value never selects another compiled variant.
+@gluon.jit(do_not_specialize=["section_heads"])
 def attention_bwd_kernel(
     Q_desc, K_desc, V_desc, DO_desc, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,

@@ -310,7 +310,9 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
             gl.store(ptrs, out, mask=gl.expand_dims(rows < sq, 1) & gl.expand_dims(cols < headdim, 0))
 
 
-@gluon.jit
+# ``section_heads`` varies with the shape and only causal calls read it: not specialised, so
+# its value never selects another compiled variant.
+@gluon.jit(do_not_specialize=["section_heads"])
 def attention_fwd_kernel(
     Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K, DESCALES,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb,
