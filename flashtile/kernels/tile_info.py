@@ -119,16 +119,21 @@ _MAX_CANDIDATES = 8
 
 
 @functools.lru_cache(maxsize=256)
-def schedule(costs: tuple, heads: int, programs: int, max_section: int) -> int:
+def schedule(costs: tuple, heads: int, programs: int, max_section: int, unit: int = 1) -> int:
     """``section_heads`` for a causal persistent grid of ``programs`` programs: among up to
     ``_MAX_CANDIDATES`` sections sizes spread over ``max_section / 2 .. max_section`` heads (what
-    fits in L2), the one whose most loaded program carries the least by the cost model
-    ``costs`` (per query tile, heaviest last: its key tiles plus one for the tile's fixed
-    work); the largest of equals.  Evaluated once per shape: up to tens of milliseconds for
-    the largest grids."""
+    fits in L2), multiples of ``unit`` where ``max_section`` allows (a GQA group's query heads,
+    adjacent in the order, read one K and V), the one whose most loaded program carries the
+    least by the cost model ``costs`` (per query tile, heaviest last: its key tiles plus one for
+    the tile's fixed work); the largest of equals.  Evaluated once per shape: up to tens of
+    milliseconds for the largest grids."""
+    if max_section >= unit > 1:
+        max_section -= max_section % unit
+    else:
+        unit = 1
     if heads <= 0 or not costs or len(costs) * heads <= programs or min(costs) == max(costs):
         return max(max_section, 1)  # one round, or equal items: nothing to even out
-    low = max(1, max_section // 2)
-    step = max(1, (max_section - low) // (_MAX_CANDIDATES - 1))
+    low = max(unit, max_section // 2 // unit * unit)
+    step = max(1, (max_section - low) // unit // (_MAX_CANDIDATES - 1)) * unit
     candidates = range(max_section, low - 1, -step)
     return min(candidates, key=lambda section: round(_imbalance(costs, heads, section, programs), 6))

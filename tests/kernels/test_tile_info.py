@@ -91,3 +91,14 @@ def _imbalance_heaviest_first_everywhere(costs, heads, section, programs):
         tile = num_tiles - 1 - (t - sec * section * num_tiles) // min(section, heads - sec * section)
         load[t % programs] += costs[tile]
     return max(load) * programs / sum(load)
+
+
+@pytest.mark.parametrize("max_section,unit", [(50, 8), (12, 4), (7, 8), (33, 1)])
+def test_schedule_keeps_gqa_groups_whole(max_section, unit):
+    # A section of whole groups: the query heads that share one K and V stay in one section.
+    costs = tuple(range(2, 34))
+    section = schedule(costs, 64, 132, max_section, unit)
+    if max_section >= unit:
+        assert section % unit == 0 and max_section // 2 - unit < section <= max_section
+    else:
+        assert 1 <= section <= max_section

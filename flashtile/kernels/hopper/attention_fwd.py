@@ -449,7 +449,7 @@ def work_schedule(heads, group, seqlen_q, seqlen_k, kv_row_bytes, block_m, block
     if programs == 0:
         return max_section
     costs = query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right)
-    return schedule(costs, heads, programs, max_section)
+    return schedule(costs, heads, programs, max_section, group)
 
 
 def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
