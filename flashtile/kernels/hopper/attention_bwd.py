@@ -342,7 +342,7 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
             dq_acc, dk, dv, lse2, delta, cu_q, cu_k, *dq_strides, *kv_strides, stride_lb, stride_lh,
             layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, d,
             softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
-            section_heads(2 * layout.seqlen_q * d * q.element_size() * (layout.nheads // layout.nheads_k),
+            section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * (layout.nheads // layout.nheads_k),
                           layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
             HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
             MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
