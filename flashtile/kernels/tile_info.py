@@ -114,14 +114,14 @@ def _imbalance(costs, heads, section, programs):
 
 
 # How many section sizes ``schedule`` compares: each costs a pass over all work items (about
-# 2.5 ms for 65k items on the CPU of the machine that measured it).
+# 2.5 ms for 65k items on a 2-core CI machine).
 _MAX_CANDIDATES = 8
 
 
 @functools.lru_cache(maxsize=256)
 def schedule(costs: tuple, heads: int, programs: int, max_section: int, unit: int = 1) -> int:
     """``section_heads`` for a causal persistent grid of ``programs`` programs: among up to
-    ``_MAX_CANDIDATES`` sections sizes spread over ``max_section / 2 .. max_section`` heads (what
+    ``_MAX_CANDIDATES`` section sizes spread over ``max_section / 2 .. max_section`` heads (what
     fits in L2), multiples of ``unit`` where ``max_section`` allows (a GQA group's query heads,
     adjacent in the order, read one K and V), the one whose most loaded program carries the
     least by the cost model ``costs`` (per query tile, heaviest last: its key tiles plus one for
