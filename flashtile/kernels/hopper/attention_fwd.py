@@ -455,6 +455,8 @@ def work_schedule(heads, group, seqlen_q, seqlen_k, kv_row_bytes, block_m, block
 def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
     """:func:`work_schedule` for ``layout``'s attention under ``cfg`` (for a packed batch the
     longest sequence stands for all)."""
+    if window_right < 0:  # no causal-like mask: the value is not read (and keyed on nothing)
+        return layout.batch * layout.nheads
     programs = min(cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads, sm_count(k.device.index))
     return work_schedule(layout.batch * layout.nheads, layout.nheads // layout.nheads_k, layout.seqlen_q,
                          layout.seqlen_k, 2 * k.shape[-1] * k.element_size(), cfg.block_m, cfg.block_n,
