@@ -327,13 +327,10 @@ def test_stubbed_tiny_forward_takes_the_plan_through_the_public_function(stubbed
     assert all(m is memo for m in calls) and memo.plans is forward.plans and memo.plan is not forward.NO_PLAN
 
 
-@in_child
-@pytest.mark.parametrize("d, engine", [(64, "auto"), (128, "auto"), (128, "triton")])
-@pytest.mark.parametrize("case", ["full", "alibi", "dropout"])
-def test_stubbed_planned_calls_launch_directly_what_the_ordinary_launch_got(monkeypatch, d, engine, case):
-    """Through the real launch layer: the first planned call of a class is Triton's ordinary
-    launch, the next ones call the compiled kernel's launcher directly -- with the same
-    runtime arguments (fresh outputs aside) followed by the constexprs."""
+def _planned_case(monkeypatch, d, engine, case):
+    """The stubbed-GPU harness, Triton's ``JITFunction``, the forward module, bf16 ``(q, k, v)``
+    of head dim ``d``, the case's params and the inputs' names by address, with
+    ``FLASHTILE_ENGINE=engine`` (skipped where the Gluon engine cannot take the case)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import profile_host_cpu
     from triton.runtime.jit import JITFunction
@@ -348,6 +345,17 @@ def test_stubbed_planned_calls_launch_directly_what_the_ordinary_launch_got(monk
     if case == "alibi":
         params = AttentionParams(0.125, alibi_slopes=torch.rand(8))
     inputs = {q.data_ptr(): "q", k.data_ptr(): "k", v.data_ptr(): "v"}
+    return profile_host_cpu, JITFunction, forward, (q, k, v), params, inputs
+
+
+@in_child
+@pytest.mark.parametrize("d, engine", [(64, "auto"), (128, "auto"), (128, "triton")])
+@pytest.mark.parametrize("case", ["full", "alibi", "dropout"])
+def test_stubbed_planned_calls_launch_directly_what_the_ordinary_launch_got(monkeypatch, d, engine, case):
+    """Through the real launch layer: the first planned call of a class is Triton's ordinary
+    launch, the next ones call the compiled kernel's launcher directly -- with the same
+    runtime arguments (fresh outputs aside) followed by the constexprs."""
+    profile_host_cpu, JITFunction, forward, (q, k, v), params, inputs = _planned_case(monkeypatch, d, engine, case)
     ordinary, direct = [], []
     forward.clear_plans()
     try:
@@ -386,20 +394,7 @@ def test_stubbed_planned_calls_pass_the_c_launcher_what_tritons_launcher_passes(
     arguments -- tensor maps, shapes, strides, the other arguments and the constexprs -- that
     Triton's launcher hands it for the ordinary launch's arguments (outputs fresh at each call;
     a map described by its inputs, its address by the input it is)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import profile_host_cpu
-    from triton.runtime.jit import JITFunction
-
-    from flashtile.kernels.attention import forward
-
-    if engine == "auto" and case != "full" and d == 128:
-        pytest.skip("the Gluon engine takes no ALiBi or dropout")
-    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
-    q, k, v = _qkv((1, 128, 8, d), (1, 128, 8, d), dtype=torch.bfloat16)
-    params = _STUB_PARAMS[case]
-    if case == "alibi":
-        params = AttentionParams(0.125, alibi_slopes=torch.rand(8))
-    inputs = {q.data_ptr(): "q", k.data_ptr(): "k", v.data_ptr(): "v"}
+    profile_host_cpu, JITFunction, forward, (q, k, v), params, inputs = _planned_case(monkeypatch, d, engine, case)
     raw, ordinary = [], []
     monkeypatch.setattr(profile_host_cpu._StubCompiled, "_raw", staticmethod(lambda *args: raw.append(args)))
     monkeypatch.setattr(profile_host_cpu, "_fill_tma_descriptor",

@@ -52,6 +52,7 @@ from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
 from flashtile.kernels.tile_info import dealt_tile, schedule, section_heads, sequence_bounds
 from flashtile.kernels.tma import DescriptorTemplate, checks_pass, padded_headdim
+from flashtile.masking import key_range
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -424,14 +425,13 @@ def descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
 
 
 def query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right) -> tuple:
-    """Per query tile, the key tiles it visits (``masking.key_tiles``' range) plus one for its
-    fixed work (the query load, the first tile's unpipelined scores, the store): the cost
-    model of the causal schedule."""
-    off, costs = seqlen_k - seqlen_q, []
+    """Per query tile, the key tiles it visits (the band's ``key_range``, as the kernel's
+    ``key_tiles`` rounds it) plus one for its fixed work (the query load, the first tile's
+    unpipelined scores, the store): the cost model of the causal schedule."""
+    costs = []
     for m0 in range(0, seqlen_q, block_m):
-        hi = min(seqlen_k, m0 + block_m + off + window_right) if window_right >= 0 else seqlen_k
-        lo = max(m0 + off - window_left, 0) // block_n * block_n if window_left >= 0 else 0
-        costs.append(max(cdiv(max(hi, 0), block_n) - lo // block_n, 0) + 1)
+        lo, hi = key_range(m0, m0 + block_m, seqlen_q, seqlen_k, window_left, window_right)
+        costs.append((cdiv(hi, block_n) - lo // block_n if hi > lo else 0) + 1)
     return tuple(costs)
 
 
