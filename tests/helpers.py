@@ -11,6 +11,9 @@ nheads_k, headdim)``; LSE ``(batch, nheads, seqlen_q)``.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -208,3 +211,27 @@ def default_scale(headdim: int) -> float:
 def is_hopper() -> bool:
     """An sm_90 GPU (H100 / H200): the Gluon kernels' target."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# --- Stubbed-GPU host-path tests ---------------------------------------------------------
+# The stubs (benchmarks/profile_host_cpu.py) patch process-wide state (torch.Tensor.is_cuda,
+# Triton's launch, device queries) and leave compiled-kernel caches behind them, so a process
+# that also runs real kernels -- the interpreter's, or a GPU's -- runs them in a child without
+# either (TRITON_INTERPRET=0; nothing is compiled, the launches are stubbed).
+
+
+def stubs_in_child() -> bool:
+    """Whether this process runs real kernels, so the stubbed tests go to a child."""
+    from flashtile.kernels.runtime import INTERPRET
+
+    return INTERPRET or torch.cuda.is_available()
+
+
+def run_stubbed_tests_in_child(path: str, *select: str) -> str:
+    """pytest on ``path`` (``select``: more pytest arguments) in a child without the interpreter
+    or a GPU; asserts it passed and returns its summary line."""
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, *select], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return done.stdout.splitlines()[-1]

@@ -10,13 +10,12 @@ same numbers; on a stubbed GPU: the same arguments, constexprs and grid, for bot
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_stubbed_tests_in_child, stubs_in_child
 
 import flashtile
 from flashtile import interface
@@ -205,22 +204,16 @@ def test_kept_plans_go_stale_with_the_cache(monkeypatch):
 # launches, for both engines
 # --------------------------------------------------------------------------------------
 
-# The stubs patch process-wide state (torch.Tensor.is_cuda, Triton's launch, device queries)
-# and leave compiled-kernel caches behind them, so a process that also runs real kernels --
-# the interpreter's, or a GPU's -- runs them in a child without either.
-STUBS_IN_CHILD = INTERPRET or torch.cuda.is_available()
+# The stubbed tests run in a child where this process runs real kernels (helpers.stubs_in_child).
+STUBS_IN_CHILD = stubs_in_child()
 in_child = pytest.mark.skipif(STUBS_IN_CHILD, reason="run by test_stubbed_gpu_without_the_interpreter")
 
 
 def test_stubbed_gpu_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "stubbed and not without_the_interpreter"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout.splitlines()[-1] and "failed" not in done.stdout.splitlines()[-1]
+    summary = run_stubbed_tests_in_child(__file__, "-k", "stubbed and not without_the_interpreter")
+    assert " passed" in summary and "failed" not in summary
 
 
 def _describe(arg, inputs):

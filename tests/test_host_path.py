@@ -5,34 +5,25 @@ where nothing needs it, no host read of GPU index values -- without a GPU."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from flashtile.kernels.runtime import INTERPRET
+from helpers import run_stubbed_tests_in_child, stubs_in_child
 
 # Triton's interpreter (CI on the CPU) makes every kernel an interpreted function, which the
 # launch layer never launches directly: the tests below then run in a child process with the
-# compiled-kernel path (TRITON_INTERPRET=0; nothing is compiled, the launches are stubbed).
-# The stubs patch process-wide state (torch.Tensor.is_cuda, Triton's launch, device queries)
-# and leave compiled-kernel caches behind them, so a process that also runs real kernels --
-# the interpreter's, or a GPU's -- runs them in a child without either.
-STUBS_IN_CHILD = INTERPRET or torch.cuda.is_available()
+# compiled-kernel path (helpers.stubs_in_child).
+STUBS_IN_CHILD = stubs_in_child()
 in_child = pytest.mark.skipif(STUBS_IN_CHILD, reason="run by test_host_path_without_the_interpreter")
 
 
 def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "8 passed, 1 skipped" in done.stdout.splitlines()[-1], done.stdout[-2000:]
+    summary = run_stubbed_tests_in_child(__file__)
+    assert "8 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
