@@ -256,6 +256,11 @@ def _decode_split(
     if PDL:
         # The combine kernel may be launched now; it waits for this grid's results itself.
         gdc_launch_dependents()
+    # Under torch.compile Inductor passes Python floats as fp64 (Triton's launcher: fp32); the
+    # scores, the softmax state and the accumulator stay fp32 either way.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_scale = tl.cast(softcap_scale, tl.float32)
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // nheads_k

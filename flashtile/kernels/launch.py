@@ -481,8 +481,9 @@ def launch(kernel, grid: tuple, args: tuple, options: dict, dynamic: tuple = ())
     the constexpr arguments and launch options (``num_warps``, ``num_stages``, ...).
 
     ``dynamic``: positions in ``args`` of ints that change from call to call (a length that
-    grows every decoding step).  A hint only: those ints are classified on every call, the
-    others through a memo of their exact values; the key is the same either way."""
+    grows every decoding step).  Those ints are classified on every call, the others through a
+    memo of their exact values.  The hint is part of the key: a class launched with and without
+    it is compiled once (Triton's own cache) but launched ordinarily once under each."""
     _launch(kernel, grid, args, options, dynamic)
 
 
@@ -490,7 +491,9 @@ def _launch(kernel, grid, args, options, dynamic):
     """:func:`launch`; returns what the key of this call holds once it is done: ``(compiled
     kernel, constexpr tail, its _Direct or None)`` when later calls of its class may launch directly, ``_FAILED``
     when they may not, ``None`` when this call does not tell (no key, hooks active, ...)."""
-    if INTERPRET or grid.__class__ is not tuple or not isinstance(kernel, JITFunction) or torch.compiler.is_compiling():
+    # While torch.compile traces, the kernel is its graph node: Dynamo cannot test its class,
+    # so is_compiling() comes first.
+    if torch.compiler.is_compiling() or INTERPRET or grid.__class__ is not tuple or not isinstance(kernel, JITFunction):
         _ordinary(kernel, grid, args, options)
         return None
     global _device_functions
@@ -618,8 +621,9 @@ class BoundLaunch:
         (any base), the ``dynamic`` values (any), and elsewhere the binding call's very objects;
         a call that does not is handed to :func:`launch` whole."""
         statics = self.statics
-        if (len(head) != self.n_head or (statics is not None and not all(map(is_, statics(head), self.static_values)))
-                or INTERPRET or self.grid3 is None or torch.compiler.is_compiling()):
+        if (torch.compiler.is_compiling() or len(head) != self.n_head
+                or (statics is not None and not all(map(is_, statics(head), self.static_values)))
+                or INTERPRET or self.grid3 is None):
             launch(self.kernel, self.grid, self.arguments(head), self.options, self.dynamic)
             return
         if self.generation is not _generation:  # clear() was called: forget the variants too

@@ -915,7 +915,10 @@ def test_gpu_direct_forward_calls_the_c_launcher_bitwise_as_the_ordinary_launch(
         counted = strict_direct["ordinary"]
         got = flashtile.flash_attn_func(q, k, v, causal=True)
         torch.cuda.synchronize()
-        assert strict_direct["ordinary"] == counted + (step == 0)
+        # Ordinary launches: the first call (a shape seen once takes the general path, its launch
+        # keyed with the growing-length hint) and the second (which builds the plan: its bound
+        # launcher keys the class without the hint); direct from then on.
+        assert strict_direct["ordinary"] == counted + (step <= 1)
         assert torch.equal(got, ordinary(q, k, v))
     counted = strict_direct["ordinary"]
     got = flashtile.flash_attn_func(q, q, q, causal=True)
