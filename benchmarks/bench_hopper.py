@@ -4,8 +4,9 @@ For each shape (bf16, ``batch * seqlen = 16k``, ``heads * d = 2048``) times, wit
 ``triton.testing.do_bench`` (median of CUDA-event timings):
 
 * ``gluon`` variants -- the Hopper forward with the tile configurations named on the command
-  line (``--configs``: ``BLOCK_N,stages,pingpong,persistent[,consumer_regs[,l2_share_percent]]``), the first
-  being the default;
+  line (``--configs``:
+  ``BLOCK_N,stages,pingpong,persistent[,consumer_regs[,l2_share_percent[,query_buffers]]]``;
+  one query buffer unless given), after the default configuration (``gluon``);
 * ``triton`` -- the portable ``tl.*`` forward;
 * ``sdpa_cudnn`` / ``sdpa_flash`` -- PyTorch SDPA pinned to one backend;
 
@@ -54,8 +55,10 @@ def parse_config(text: str) -> hopper.HopperConfig:
     block_n, stages, pingpong, persistent = parts[:4]
     regs = parts[4] if len(parts) > 4 else 240
     l2_share = parts[5] / 100 if len(parts) > 5 else 0.5
+    q_buffers = parts[6] if len(parts) > 6 else 1
     return hopper.HopperConfig(block_n=block_n, num_stages=stages, pingpong=bool(pingpong),
-                               persistent=bool(persistent), consumer_regs=regs, l2_share=l2_share)
+                               persistent=bool(persistent), consumer_regs=regs, l2_share=l2_share,
+                               q_buffers=q_buffers)
 
 
 def main():
@@ -63,7 +66,8 @@ def main():
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--configs", nargs="*", default=[], help="extra Gluon configs BLOCK_N,stages,pingpong,persistent[,regs[,l2_share%]]")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="extra Gluon configs BLOCK_N,stages,pingpong,persistent[,regs[,l2_share%%[,q_buffers]]]")
     ap.add_argument("--peers", nargs="*", default=["triton", "sdpa_cudnn", "sdpa_flash"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

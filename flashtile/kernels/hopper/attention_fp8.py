@@ -103,7 +103,7 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
         -1, 0 if causal else -1, num_items,
         work_schedule(batch * nheads, nheads // nheads_k, seqlen_q, seqlen_k, 2 * d, cfg.block_m, cfg.block_n, -1,
                       0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
-        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, MASK_LEFT=False,
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=True, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
         num_warps=4, maxnreg=cfg.maxnreg,

@@ -5,10 +5,11 @@ grid each program runs its items in turn (dealt round-robin, see ``work_item``),
 three partitions that share shared memory and talk through mbarriers:
 
 * **producer** (1 warp, few registers): per item, TMA-loads the query tile once its buffer
-  is free, then streams the key and value tiles through a ``NUM_STAGES``-deep ring of
-  shared-memory slots that runs on across items.  Each slot has a *ready* barrier (TMA
+  is free (``Q_BUFFERS`` of them: with two, the next item's tile arrives while the consumers
+  finish this one), then streams the key and value tiles through a ``NUM_STAGES``-deep ring
+  of shared-memory slots that runs on across items.  Each slot has a *ready* barrier (TMA
   completion, byte-counted) and an *empty* barrier (both consumers have finished reading
-  it), and so has the query buffer.
+  it), and so has each query buffer.
 * **two consumers** (one warpgroup each, most of the registers): each owns 64 of the 128
   query rows and keeps its running softmax state -- row max ``m``, row sum ``l`` and the
   un-normalised fp32 accumulator -- in registers.  Per key tile ``j`` a consumer issues
@@ -88,13 +89,15 @@ def work_item(t, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_s
 
 
 @gluon.jit
-def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+def _producer(Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
               section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr):
-    """Per work item: the query tile once its buffer is free, then K_j and V_j into ring slot
-    ``count % NUM_STAGES`` once both consumers have released it (``count`` runs across items).
-    FP8 reads V transposed, ``(batch, nheads_k, headdim, seqlen_k)``."""
+              Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+              FP8: gl.constexpr):
+    """Per work item: the query tile into buffer ``it % Q_BUFFERS`` once it is free (with two,
+    the next item's tile loads while the consumers still work on this one), then K_j and V_j
+    into ring slot ``count % NUM_STAGES`` once both consumers have released it (``count`` runs
+    across items).  FP8 reads V transposed, ``(batch, nheads_k, headdim, seqlen_k)``."""
     count = 0
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -102,15 +105,16 @@ def _producer(Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, 
         b, h, hk, m0, q_start, k_start, _sq, _sk, lo, _fl, _fh, n_tiles = work_item(
             pid + it * nprog, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
             window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        qb = it % Q_BUFFERS
         # An mbarrier starts with its "previous" phase complete: the first waits pass.
-        mbarrier.wait(q_empty, (it & 1) ^ 1)
+        mbarrier.wait(q_empty.index(qb), ((it // Q_BUFFERS) & 1) ^ 1)
         if n_tiles < 0:
-            mbarrier.arrive(q_ready, count=1)  # a skipped item still turns the query buffer's phase
+            mbarrier.arrive(q_ready.index(qb), count=1)  # a skipped item still turns its buffer's phase
         else:
             if VARLEN:
                 b = 0  # packed tensors are one batch entry of the descriptors
-            mbarrier.expect(q_ready, Q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0, h, 0], q_ready, q_smem)
+            mbarrier.expect(q_ready.index(qb), Q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0, h, 0], q_ready.index(qb), q_bufs.index(qb))
             for j in range(n_tiles):
                 slot = count % NUM_STAGES
                 free_phase = ((count // NUM_STAGES) & 1) ^ 1
@@ -177,13 +181,13 @@ def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
+def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
               O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
               stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
               window_left, window_right, num_items, section_heads, row_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
-              FP8: gl.constexpr, OFFSET: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr):
     """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop.
 
     With ``FP8`` (e4m3 inputs, see ``attention_fp8.py``): the (batch, kv head)'s descales
@@ -193,7 +197,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
     reduced precision, so chaining tiles in it drops a long row's small terms).
     """
     ROWS: gl.constexpr = CONSUMER_ROWS
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = q_bufs.dtype
     # The K step of one wgmma: 32 one-byte elements, 16 two-byte ones.
     K_STEP: gl.constexpr = 32 if FP8 else 16
     p_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
@@ -207,7 +211,6 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
     VEC: gl.constexpr = 8
     TPC: gl.constexpr = HEAD_DIM // VEC if HEAD_DIM // VEC < 32 else 32
     store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPC, TPC], [4, 1], [1, 0])
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(row_off, ROWS, dim=0)
 
     # K/V tiles consumed, across work items: the ring's slot and phase, and the ping-pong
     # phase (each tile's GEMMs are issued in one turn).
@@ -222,10 +225,13 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
         if FP8:
             ds = DESCALES + b * stride_dsb + hk
             scale = qk_scale * gl.load(ds) * gl.load(ds + stride_ds)
-        mbarrier.wait(q_ready, it & 1)
+        qb = it % Q_BUFFERS
+        q_empty_b = q_empty.index(qb)
+        mbarrier.wait(q_ready.index(qb), (it // Q_BUFFERS) & 1)
         if n_tiles < 0:
-            mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(q_empty_b, count=1)
         else:
+            q = q_bufs.index(qb).reshape([BLOCK_M, HEAD_DIM]).slice(row_off, ROWS, dim=0)
             offs_m = m0 + row_off + gl.arange(0, ROWS, layout=row_layout)
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
@@ -275,8 +281,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                     acc = pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                     p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
                 count = end
-                # The query tile is no longer read: the producer may load the next one.
-                mbarrier.arrive(q_empty, count=1)
+                # The query tile is no longer read: its buffer may take a later item's tile.
+                mbarrier.arrive(q_empty_b, count=1)
                 last = (count - 1) % NUM_STAGES
                 mbarrier.wait(v_ready.index(last), ((count - 1) // NUM_STAGES) & 1)
                 pv = _pv_mma(p_prev, v_bufs.index(last), acc, o_layout, BLOCK_N, HEAD_DIM, FP8)
@@ -286,7 +292,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                     pv = acc + pv
                 acc = pv
             else:
-                mbarrier.arrive(q_empty, count=1)
+                mbarrier.arrive(q_empty_b, count=1)
 
             # Deferred normalisation: one reciprocal per row; an empty row (l = 0) is selected
             # to 0, so no inf or NaN in V can reach it.
@@ -319,24 +325,26 @@ def attention_fwd_kernel(
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb,
     seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right, num_items,
     section_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr,
+    Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
+    OFFSET: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
     dtype: gl.constexpr = Q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, Q_desc.block_type.shape, Q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS] + Q_desc.block_type.shape, Q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + K_desc.block_type.shape, K_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + V_desc.block_type.shape, V_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release the query tile
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a query tile
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -350,19 +358,20 @@ def attention_fwd_kernel(
 
     ROWS: gl.constexpr = CONSUMER_ROWS
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(0),
+        (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(0),
                      turns.index(1), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-                     window_left, window_right, num_items, section_heads, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                     window_left, window_right, num_items, section_heads, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
                      MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
+        (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
                      turns.index(0), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-                     window_left, window_right, num_items, section_heads, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                     window_left, window_right, num_items, section_heads, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
                      MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET)),
-        (_producer, (Q_desc, K_desc, V_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+        (_producer, (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
-                     num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
+                     num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
+                     FP8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -375,9 +384,11 @@ class HopperConfig:
     """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
 
     def __init__(self, block_n, num_stages, pingpong=True, persistent=True, consumer_regs=240, producer_regs=24,
-                 l2_share=0.5):
+                 l2_share=0.5, q_buffers=1):
         self.block_m = 2 * CONSUMER_ROWS.value
         self.block_n, self.num_stages, self.pingpong = block_n, num_stages, pingpong
+        # Two query buffers: the producer loads the next work item's query tile during this one.
+        self.q_buffers = q_buffers
         self.persistent = persistent  # one program per SM looping over work items, else one per item
         # Causal schedules deal across the heads whose K and V fit in this share of L2 (0: all heads).
         self.l2_share = l2_share
@@ -389,7 +400,8 @@ class HopperConfig:
     def __repr__(self):
         return (f"HopperConfig(BLOCK_N={self.block_n}, stages={self.num_stages}, pingpong={self.pingpong}, "
                 f"persistent={self.persistent}, "
-                f"regs={self.consumer_regs}/{self.producer_regs}, l2_share={self.l2_share})")
+                f"regs={self.consumer_regs}/{self.producer_regs}, l2_share={self.l2_share}, "
+                f"q_buffers={self.q_buffers})")
 
 
 @functools.lru_cache(maxsize=None)
@@ -397,8 +409,8 @@ def config_for(head_dim_pad: int) -> HopperConfig:
     """The tile configuration per padded head dim (shared memory: Q + stages * (K + V));
     the measured alternatives (BLOCK_N, ping-pong, persistent grid) are in docs/tuning.md."""
     if head_dim_pad <= 128:
-        return HopperConfig(block_n=128, num_stages=2)
-    return HopperConfig(block_n=64, num_stages=2)
+        return HopperConfig(block_n=128, num_stages=2, q_buffers=2)
+    return HopperConfig(block_n=64, num_stages=2)  # a second 64 KB query buffer does not fit
 
 
 @functools.lru_cache(maxsize=None)
@@ -501,7 +513,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         softmax_scale * LOG2E, window_left, window_right, num_items,
         layout_schedule(layout, k, cfg, window_left, window_right),
     ), dict(
-        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
         num_warps=4, maxnreg=cfg.maxnreg,
@@ -535,7 +547,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
             layout.nheads, layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E, window_left, window_right,
             num_items, layout_schedule(layout, k, cfg, window_left, window_right))
     options = dict(
-        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=False, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
         num_warps=4, maxnreg=cfg.maxnreg,

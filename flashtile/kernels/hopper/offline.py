@@ -50,7 +50,7 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
            "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32",
            "CU_K": "*i32", "DESCALES": "*fp32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
-              "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
+              "Q_BUFFERS": cfg.q_buffers, "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": False, "OFFSET": 0}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
@@ -92,7 +92,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
            "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "qk_scale": "fp32",
            **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
-              "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False, "PINGPONG": True,
+              "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False, "PINGPONG": True,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": True,
               "OFFSET": fp8.MAX_OFFSET}
     sig.update({name: "constexpr" for name in consts})
