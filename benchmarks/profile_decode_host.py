@@ -2,8 +2,10 @@
 
 A decode step at batch 1 keeps the GPU busy for ~10-20 us, so whatever Python does per call
 shows directly in eager latency.  Each case is timed *GPU-idle-bound*: the GPU work is tiny
-(cache 1k, batch 1), ``calls`` calls are issued back to back and timed on the host, then one
-synchronisation waits for the queue: ``us`` = host seconds per call.  Nothing in the timed
+(cache 1k, batch 1); rounds of ``calls`` calls are issued back to back and timed on the host,
+each round short enough that the launch queue never fills (a full queue would make the host
+wait for the GPU), then one synchronisation waits for the queue: ``us`` = the median round's
+host seconds per call.  Nothing in the timed
 loop may synchronise, so a case whose call reads values on the host (flashtile's index
 check of tensor lengths, ``cache_seqlens`` as a CUDA tensor) measures that wait too -- the
 int-length rows are the call without it.
@@ -39,17 +41,22 @@ import flashtile
 from flashtile.bench.common import environment, write_jsonl
 
 
-def per_call_us(fn, calls=2000, warmup=50):
-    """Host microseconds per call, ``calls`` calls issued back to back, then one sync."""
+def per_call_us(fn, calls=250, rounds=8, warmup=50):
+    """Host microseconds per call: the median over ``rounds`` of ``calls`` calls issued back to
+    back from an idle GPU, each round followed by one sync.  A round stays below the launch
+    queue's depth (about a thousand pending kernels), so a host that issues faster than the GPU
+    runs never waits for a free slot: the time is the host's, not the GPU's."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 class ordinary_launches:
@@ -175,7 +182,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--calls", type=int, default=250,
+                    help="calls per round (at most 2 launches each: under the launch queue's depth)")
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", default=None, help="folder for decode_host.jsonl (default: print only)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of the append step")
     args = ap.parse_args()
@@ -194,7 +203,7 @@ def main():
     print(f"{'mode':15s} {'layout':10s} {'lengths':7s} {'impl':20s} host us/call")
     for fields, fn in cases:
         try:
-            us = per_call_us(fn, calls=args.calls)
+            us = per_call_us(fn, calls=args.calls, rounds=args.rounds)
         except Exception as e:  # noqa: BLE001 - a peer missing on this machine must not stop the rest
             print(f"{fields['mode']:15s} {fields['layout']:10s} {fields['lengths']:7s} {fields['impl']:20s} "
                   f"{type(e).__name__}: {str(e)[:120]}")
