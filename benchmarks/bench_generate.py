@@ -2,7 +2,10 @@
 
 A randomly initialised Llama (no download; 8 layers, hidden 2048, 16 query / 4 KV heads of
 d = 128, bf16) generates ``--new-tokens`` tokens greedily after a ``--prompt``-token prompt,
-once with ``attn_implementation="flashtile"`` and once with ``"sdpa"``, in one process.  Each
+with ``attn_implementation="flashtile"`` (``flashtile``; on Hopper also ``flashtile_gluon``,
+under ``FLASHTILE_ENGINE=gluon``: every attention call on the Gluon forward, decoding steps
+included, where ``auto`` runs those on the split-KV decode kernel) and with ``"sdpa"``, in one
+process.  Each
 generation is timed on the host with a synchronisation at both ends (the eager
 ``generate()`` loop a user runs: prefill, then one forward per token through transformers'
 dynamic KV cache), best of ``--repeats`` after a short warm-up generation.
@@ -17,6 +20,8 @@ with a plot beside it::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -24,7 +29,11 @@ import torch
 
 from flashtile.bench.common import default_out_dir, environment, save_figure, subplots, write_jsonl
 
-IMPLS = ("flashtile", "sdpa")
+IMPLS = ("flashtile", "flashtile_gluon", "sdpa")
+# An implementation's engine setting (FLASHTILE_ENGINE) during its runs: ``flashtile_gluon``
+# forces the Gluon forward at every call, decoding steps included (``auto`` runs those on the
+# split-KV decode kernel, see flashtile.kernels.engine.split_kv_forward).
+ENGINE = {"flashtile_gluon": "gluon"}
 DEVICE = "cuda"
 
 
@@ -37,8 +46,25 @@ def model_for(impl: str, seed: int = 0):
                                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                                       max_position_embeddings=16384, pad_token_id=0)
     torch.manual_seed(seed)  # the same weights for every implementation
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl.split("_")[0])
     return model.to(device=DEVICE, dtype=torch.bfloat16).eval()
+
+
+@contextlib.contextmanager
+def engine_setting(value):
+    """``FLASHTILE_ENGINE=value`` inside the block (``None``: as it is)."""
+    from flashtile.kernels.engine import ENGINE_ENV
+
+    saved = os.environ.get(ENGINE_ENV)
+    if value is not None:
+        os.environ[ENGINE_ENV] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENGINE_ENV, None)
+        else:
+            os.environ[ENGINE_ENV] = saved
 
 
 def sync():
@@ -60,12 +86,15 @@ def run(prompt: int, new_tokens: int, repeats: int) -> list[dict]:
     ids = torch.randint(1, 32000, (1, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
     for impl in IMPLS:
+        if impl in ENGINE and not torch.cuda.get_device_capability() == (9, 0):
+            continue  # the Gluon engine runs on Hopper only
         model = model_for(impl)
-        timed_generate(model, ids[:, :128], 8)  # compile the kernels, warm the allocator
-        best, tokens = float("inf"), None
-        for _ in range(repeats):
-            tokens, ms = timed_generate(model, ids, new_tokens)
-            best = min(best, ms)
+        with engine_setting(ENGINE.get(impl)):
+            timed_generate(model, ids[:, :128], 8)  # compile the kernels, warm the allocator
+            best, tokens = float("inf"), None
+            for _ in range(repeats):
+                tokens, ms = timed_generate(model, ids, new_tokens)
+                best = min(best, ms)
         results[impl] = (tokens, best)
         del model
         if DEVICE == "cuda":
@@ -88,7 +117,8 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def plot(records, path):
     fig, ax = subplots(figsize=(5, 3.5))
-    ax.bar([r["impl"] for r in records], [r["tokens_per_s"] for r in records], color=["C0", "C1"][:len(records)])
+    colors = {"flashtile": "C0", "flashtile_gluon": "C2", "sdpa": "C1"}
+    ax.bar([r["impl"] for r in records], [r["tokens_per_s"] for r in records], color=[colors[r["impl"]] for r in records])
     for i, r in enumerate(records):
         ax.text(i, r["tokens_per_s"], f"{r['tokens_per_s']:.0f}", ha="center", va="bottom")
     ax.set_ylabel("generated tokens / s (whole generate())")

@@ -2,7 +2,7 @@
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
 #   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax
-#                                                 hopper parity_tests features generate decode decode_host decode_iam
+#                                                 hopper parity_tests features generate few_rows decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -50,7 +50,8 @@ for part in $parts; do
                     tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
                     -q -p no:cacheprovider -p no:warnings ;;  # unmarked kernel tests run on CUDA too
     features) run features 150 python3 -m flashtile.bench.features --out "$RES" ;;
-    generate) run generate 150 python3 benchmarks/bench_generate.py --out "$RES" ;;
+    generate) run generate 200 python3 benchmarks/bench_generate.py --out "$RES" ;;
+    few_rows) run few_rows 150 python3 benchmarks/bench_few_rows.py --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
     decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
                  run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \

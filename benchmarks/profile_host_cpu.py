@@ -189,6 +189,28 @@ def cases(batch=1, cache=1024, nheads=32, nheads_k=4, d=128, dtype=torch.bfloat1
     yield "func (1,128,8,64) requires_grad", lambda: flashtile.flash_attn_func(gq, gk, gv)
     tq2, tk2, tv2 = (torch.randn(1, 128, 8, 128, dtype=dtype) for _ in range(3))
     yield "func (1,128,8,128) gluon", lambda: flashtile.flash_attn_func(tq2, tk2, tv2)
+    yield "func growing cache, 8 layers", growing_cache_decode(dtype)
+
+
+def growing_cache_decode(dtype, layers=8, start=4096, heads=16, heads_k=4, d=128):
+    """A decode step per ``layers`` calls as transformers' dynamic cache makes them: one query
+    row against keys and values one longer every step, in fresh tensors (``(batch, heads_k,
+    n, d)`` transposed to flash-attn's layout, so their strides change with ``n``), causal; the
+    same length for every layer of a step.  Views over one storage stand for the fresh tensors."""
+    import flashtile
+
+    q = torch.randn(1, 1, heads, d, dtype=dtype)
+    storage = torch.randn(2, heads_k * (start + 10**6) * d, dtype=dtype)
+    state = {"call": 0}
+
+    def step():
+        n = start + state["call"] // layers
+        state["call"] += 1
+        k, v = (storage[i, :heads_k * n * d].as_strided((1, n, heads_k, d), (heads_k * n * d, d, n * d, 1))
+                for i in (0, 1))
+        return flashtile.flash_attn_func(q, k, v, causal=True)
+
+    return step
 
 
 def per_call_us(fn, calls, repeats=5):

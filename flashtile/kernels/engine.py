@@ -17,6 +17,10 @@ without dropout, softcap or ALiBi, not ``deterministic``), which only a forced `
 selects: neither is faster than its ``tl.*`` counterpart yet (``backward_engine``,
 ``fp8_forward_engine``).
 
+Under ``auto``, a dense forward of at most ``SPLIT_KV_MAX_SEQLEN_Q`` query rows (a decoding
+step through ``flash_attn_func``, as transformers makes it) runs on neither forward kernel but
+on the split-KV decode kernel of ``flash_attn_with_kvcache`` (``split_kv_forward``).
+
 ``auto`` (the default) takes ``gluon`` where it applies and ``triton`` elsewhere.  The
 environment variable ``FLASHTILE_ENGINE`` (``auto``, ``gluon`` or ``triton``) overrides the
 choice for tests and A/B benchmarks; forcing ``gluon`` on a call it cannot run raises
@@ -119,6 +123,23 @@ def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: floa
     if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon forward cannot run this call: {reason}")
     return "triton"
+
+
+# A dense forward with at most this many query rows runs as a split-KV decode step (the kernel
+# of flash_attn_with_kvcache, see split_kv_forward): the forward kernels' grid has one program
+# per (query tile of 64-128 rows, batch * head), so a few query rows against a long key
+# sequence keep a handful of SMs busy and waste most of each tile, while the decode kernel
+# packs a GQA group's rows into one tile and splits the keys across programs.
+SPLIT_KV_MAX_SEQLEN_Q = 16
+
+
+def split_kv_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout=None) -> bool:
+    """Whether a dense forward of these tensors runs on the split-KV decode kernel: at most
+    ``SPLIT_KV_MAX_SEQLEN_Q`` query rows against at least one key, no dropout (the decode
+    kernel draws none), unit last strides, and ``auto`` engine selection (a forced engine runs
+    its own forward kernel at every shape, for tests and A/B benchmarks)."""
+    return (0 < q.shape[1] <= SPLIT_KV_MAX_SEQLEN_Q and k.shape[1] > 0 and q.shape[0] > 0 and dropout is None
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and requested_engine() == "auto")
 
 
 def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes,

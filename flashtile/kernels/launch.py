@@ -293,10 +293,23 @@ _TRITON_LAUNCHER = "3.6.0"
 _MAX_MAPS = 64  # encoded tensor maps kept per template position and compiled kernel
 
 
+_parts_of: dict = {}  # compiled kernel -> _launcher_parts (a compiled kernel never changes)
+
+
 def _launcher_parts(compiled):
     """``(C launcher, launch_cooperative_grid, launch_pdl, {parameter position: descriptor
     metadata})`` of ``compiled`` when its launcher is Triton 3.6.0's ``CudaLauncher`` as
-    described above with no scratch to allocate, else ``None``."""
+    described above with no scratch to allocate, else ``None``; read once per compiled kernel
+    (every launch plan binding it asks again)."""
+    parts = _parts_of.get(compiled, _parts_of)
+    if parts is _parts_of:
+        if len(_parts_of) >= 256:
+            _parts_of.clear()
+        parts = _parts_of[compiled] = _read_launcher_parts(compiled)
+    return parts
+
+
+def _read_launcher_parts(compiled):
     if triton.__version__ != _TRITON_LAUNCHER:
         return None
     try:
@@ -768,4 +781,5 @@ def clear() -> None:
     """Forget every cached variant (the next launch of each class is ordinary again)."""
     global _generation
     _caches.clear()
+    _parts_of.clear()
     _generation = object()

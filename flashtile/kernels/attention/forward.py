@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, fast_descriptor, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import engine_setting, forward_engine
+from flashtile.kernels.engine import engine_setting, forward_engine, split_kv_forward
 from flashtile.kernels.launch import constant as launch_constant
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
@@ -295,14 +295,40 @@ def _tma_strides(t) -> bool:
     return t.stride(-1) == 1 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
 
 
+def _split_kv_plan(q, k, v, params: AttentionParams):
+    """The launch plan of a dense forward on the split-KV decode kernel (``engine.split_kv_forward``
+    says when): ``k`` and ``v`` as a cache every sequence fills, no append.  The decode kernel
+    has the forward's semantics -- the queries are the last ``seqlen_q`` positions, so masks are
+    bottom-right aligned; out 0 and LSE ``-inf`` for a row without a visible key -- and writes
+    the LSE as ``(batch, nheads, seqlen_q)`` fp32, what the backward reads."""
+    from flashtile.kernels import decode
+
+    plan = decode.step_plan(q, k, v, None, None, None, False, False, False, params.alibi_slopes, params.softmax_scale,
+                            params.window_left, params.window_right, params.softcap, 0, None,
+                            decode.tuning_text(decode.tuning_raw()))
+    seqlen_k = k.shape[1]
+
+    def run(q, k, v, params: AttentionParams):
+        slopes = params.alibi_slopes
+        if slopes is not None and not slopes.is_contiguous():
+            slopes = slopes.contiguous()  # the kernel reads (batch,) nheads slopes at stride 1
+        return plan.run(q, k, v, seqlen_k, None, None, None, slopes, bound=not torch.compiler.is_compiling())
+
+    return run
+
+
 def _dense_plan(q, k, v, params: AttentionParams):
     """The launch plan of ``fwd(q, k, v, params)``: a function ``(q, k, v, params) -> (out,
     lse)`` for tensors of these shapes, strides, dtypes and devices (``None`` for a call with a
     misaligned base), or None when the call needs the general path."""
-    if 0 in q.shape or 0 in k.shape or not (_tma_strides(q) and _tma_strides(k) and _tma_strides(v)):
+    if 0 in q.shape or 0 in k.shape:
         return None
     softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
     softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
+    if split_kv_forward(q, k, v, dropout):
+        return _split_kv_plan(q, k, v, params)
+    if not (_tma_strides(q) and _tma_strides(k) and _tma_strides(v)):
+        return None
     if forward_engine(q, k, dropout, softcap, alibi_slopes) == "gluon":
         from flashtile.kernels.hopper import attention_fwd
 
@@ -371,7 +397,7 @@ def lookup_plan(q, k, v, params: AttentionParams):
     """This call's plan (see ``_MAX_PLANS``): a function ``(q, k, v, params) -> (out, lse) or
     None``, ``NO_PLAN`` (the key's calls go the general way), or ``PENDING`` (not decided yet:
     the key's first call, or a second one with a base off the 16-byte grid, which the plan's
-    descriptor templates need)."""
+    descriptor templates need; a split-KV call's plan is made at its first call)."""
     if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
             or torch.compiler.is_compiling()):
         return NO_PLAN
@@ -388,12 +414,15 @@ def lookup_plan(q, k, v, params: AttentionParams):
     plan = plans.get(key)
     if plan is not None:
         return plan
-    if key not in _seen_once:
+    # A split-KV call builds its plan at once (the general path would build the same one), at
+    # any alignment (the decode kernel reads through pointers, not TMA).
+    split = split_kv_forward(q, k, v, params.dropout)
+    if key not in _seen_once and not split:
         if len(_seen_once) >= _MAX_SEEN_ONCE:
             _seen_once.clear()
         _seen_once.add(key)
         return PENDING
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+    if not split and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         return PENDING
     _seen_once.discard(key)
     plan = _dense_plan(q, k, v, params) or NO_PLAN
@@ -411,6 +440,8 @@ def plan_for(q, k, v, params: AttentionParams):
 
 def general(q, k, v, params: AttentionParams):
     """:func:`fwd` the general way (no plan)."""
+    if split_kv_forward(q, k, v, params.dropout):
+        return _split_kv_plan(q, k, v, params)(q, k, v, params)
     return _forward(Layout(q, k), q, k, v, params, None)
 
 
@@ -418,13 +449,15 @@ def fwd(q, k, v, params: AttentionParams, config=None):
     """Forward. q ``(b, nq, h, d)``, k/v ``(b, nk, hk, d)`` -> (out like q, lse ``(b, h, nq)`` fp32).
 
     ``config``: a ``TileConfig`` that replaces :func:`fwd_config`'s (and keeps the ``tl.*`` engine).
-    Without one, the launch comes from the plan of the call's key where there is one."""
+    Without one, the launch comes from the plan of the call's key where there is one, and a
+    few query rows run on the split-KV decode kernel (``engine.split_kv_forward``)."""
     if config is None:
         plan = plan_for(q, k, v, params)
         if plan is not None:
             result = plan(q, k, v, params)
             if result is not None:
                 return result
+        return general(q, k, v, params)
     return _forward(Layout(q, k), q, k, v, params, config)
 
 
