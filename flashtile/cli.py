@@ -74,13 +74,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     if cuda and dev.type != "cuda":
         lines.append(("backend (CUDA)", "triton (CUDA)  (for tensors on a GPU)"))
     if cuda:
-        from flashtile.kernels.engine import ENGINE_ENV, gluon_device_reason, requested_engine
+        from flashtile.kernels.engine import ENGINE_ENV, SPLIT_KV_MAX_SEQLEN_Q, gluon_device_reason, requested_engine
 
         for i in range(torch.cuda.device_count()):
             reason = gluon_device_reason(i)
             engine = "tl.* kernels" if reason else "Gluon (head dims 65-256, fp16/bf16), else tl.* kernels"
             lines.append((f"forward engine cuda:{i}",
                           f"{engine}  ({ENGINE_ENV}={requested_engine()}{'; ' + reason if reason else ''})"))
+        if requested_engine() == "auto":
+            lines.append(("few query rows", f"at most {SPLIT_KV_MAX_SEQLEN_Q} (no dropout): the split-KV decode kernel"))
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         print(f"{k:<{width}}  {v}")
