@@ -73,12 +73,16 @@ def run(batches, seqlens_q, seqlens_k) -> list[dict]:
                     for _ in range(2))
             for seqlen_q in seqlens_q:
                 q = torch.randn(batch, seqlen_q, NHEADS, HEADDIM, device="cuda", dtype=torch.bfloat16)
-                ref = impl_fn("sdpa_flash")(q, k, v).float()
+                try:  # the reference output; the errors are left out where no SDPA backend runs
+                    ref = impl_fn("sdpa_flash")(q, k, v).float()
+                except Exception:  # noqa: BLE001
+                    ref = None
                 row = {}
                 for impl in IMPLS:
                     fn = impl_fn(impl)
                     try:
-                        err = (fn(q, k, v).float() - ref).abs().max().item()
+                        out = fn(q, k, v)
+                        err = None if ref is None else (out.float() - ref).abs().max().item()
                         ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=10, rep=50, return_mode="median")
                     except Exception as e:  # noqa: BLE001 - a backend missing here must not stop the rest
                         print(f"{impl} b={batch} q={seqlen_q} k={seqlen_k}: {type(e).__name__}: {str(e)[:200]}")
