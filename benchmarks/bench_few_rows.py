@@ -20,13 +20,13 @@ one process, with ``triton.testing.do_bench`` (median, GPU time):
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
 import triton
 
-from flashtile.bench.common import default_out_dir, environment, save_figure, subplots, write_jsonl
+from flashtile.bench.common import default_out_dir, environment, save_figure, save_results, subplots
+from flashtile.bench.gpu import engine_for
 
 IMPLS = ("flashtile", "flashtile_gluon", "flashtile_triton", "sdpa_cudnn", "sdpa_flash")
 NHEADS, NHEADS_K, HEADDIM = 32, 8, 128
@@ -37,21 +37,11 @@ def impl_fn(impl: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashtile
-    from flashtile.kernels.engine import ENGINE_ENV
 
     if impl.startswith("flashtile"):
-        setting = {"flashtile": "auto", "flashtile_gluon": "gluon", "flashtile_triton": "triton"}[impl]
-
         def run(q, k, v):
-            saved = os.environ.get(ENGINE_ENV)
-            os.environ[ENGINE_ENV] = setting
-            try:
+            with engine_for(impl):
                 return flashtile.flash_attn_func(q, k, v)
-            finally:
-                if saved is None:
-                    del os.environ[ENGINE_ENV]
-                else:
-                    os.environ[ENGINE_ENV] = saved
 
         return run
     backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}[impl]
@@ -124,14 +114,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_few_rows.py needs a CUDA GPU")
-    out = args.out or default_out_dir()
-    records = run(args.batches, args.seqlens_q, args.seqlens_k)
-    print(f"{len(records)} records appended to {write_jsonl(out / 'few_rows.jsonl', records)}")
-    try:
-        plot(records, out / "few_rows.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
-
+    # The rows were printed as they were measured: no table after them.
+    save_results(run(args.batches, args.seqlens_q, args.seqlens_k), args.out or default_out_dir(), "few_rows",
+                 lambda records: None, plot)
 
 if __name__ == "__main__":
     main()

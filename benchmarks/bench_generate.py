@@ -20,20 +20,17 @@ with a plot beside it::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import default_out_dir, environment, save_figure, subplots, write_jsonl
+from flashtile.bench.common import default_out_dir, environment, save_figure, save_results, subplots
+from flashtile.bench.gpu import engine_for
 
+# flashtile_gluon forces the Gluon forward at every call, decoding steps included (``auto`` runs
+# those on the split-KV decode kernel, see flashtile.kernels.engine.split_kv_forward).
 IMPLS = ("flashtile", "flashtile_gluon", "sdpa")
-# An implementation's engine setting (FLASHTILE_ENGINE) during its runs: ``flashtile_gluon``
-# forces the Gluon forward at every call, decoding steps included (``auto`` runs those on the
-# split-KV decode kernel, see flashtile.kernels.engine.split_kv_forward).
-ENGINE = {"flashtile_gluon": "gluon"}
 DEVICE = "cuda"
 
 
@@ -48,23 +45,6 @@ def model_for(impl: str, seed: int = 0):
     torch.manual_seed(seed)  # the same weights for every implementation
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl.split("_")[0])
     return model.to(device=DEVICE, dtype=torch.bfloat16).eval()
-
-
-@contextlib.contextmanager
-def engine_setting(value):
-    """``FLASHTILE_ENGINE=value`` inside the block (``None``: as it is)."""
-    from flashtile.kernels.engine import ENGINE_ENV
-
-    saved = os.environ.get(ENGINE_ENV)
-    if value is not None:
-        os.environ[ENGINE_ENV] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENGINE_ENV, None)
-        else:
-            os.environ[ENGINE_ENV] = saved
 
 
 def sync():
@@ -86,10 +66,10 @@ def run(prompt: int, new_tokens: int, repeats: int) -> list[dict]:
     ids = torch.randint(1, 32000, (1, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
     for impl in IMPLS:
-        if impl in ENGINE and not torch.cuda.get_device_capability() == (9, 0):
+        if impl == "flashtile_gluon" and torch.cuda.get_device_capability() != (9, 0):
             continue  # the Gluon engine runs on Hopper only
         model = model_for(impl)
-        with engine_setting(ENGINE.get(impl)):
+        with engine_for(impl):
             timed_generate(model, ids[:, :128], 8)  # compile the kernels, warm the allocator
             best, tokens = float("inf"), None
             for _ in range(repeats):
@@ -128,6 +108,12 @@ def plot(records, path):
     save_figure(fig, path)
 
 
+def print_table(records):
+    for r in records:
+        print(f"{r['impl']:16s} {r['ms']:9.1f} ms  {r['tokens_per_s']:7.1f} tokens/s  "
+              f"{r['tokens_as_sdpa']} leading tokens as SDPA's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=4096)
@@ -137,17 +123,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
-    out = args.out or default_out_dir()
-    records = run(args.prompt, args.new_tokens, args.repeats)
-    path = write_jsonl(out / "generate.jsonl", records)
-    for r in records:
-        print(f"{r['impl']:10s} {r['ms']:9.1f} ms  {r['tokens_per_s']:7.1f} tokens/s  {r['tokens_as_sdpa']} leading tokens as SDPA's")
-    print(f"{len(records)} records appended to {path}")
-    try:
-        plot(records, out / "generate.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
-
+    save_results(run(args.prompt, args.new_tokens, args.repeats), args.out or default_out_dir(), "generate",
+                 print_table, plot)
 
 if __name__ == "__main__":
     main()

@@ -106,16 +106,21 @@ def impl_fn(impl: str, causal: bool, headdim: int):
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(ALL_IMPLS)}")
 
 
+# The benchmark implementations that force an engine (``FLASHTILE_ENGINE``) while they run.
+FORCED_ENGINES = {"flashtile_triton": "triton", "flashtile_gluon": "gluon"}
+
+
 @contextlib.contextmanager
 def engine_for(impl: str):
-    """``FLASHTILE_ENGINE=triton`` for ``flashtile_triton`` (forward and backward alike), nothing else otherwise."""
+    """``FLASHTILE_ENGINE`` set to ``impl``'s forced engine (``FORCED_ENGINES``; forward and
+    backward alike) inside the block, nothing else for other implementations."""
     from flashtile.kernels.engine import ENGINE_ENV
 
-    if impl != "flashtile_triton":
+    if impl not in FORCED_ENGINES:
         yield
         return
     saved = os.environ.get(ENGINE_ENV)
-    os.environ[ENGINE_ENV] = "triton"
+    os.environ[ENGINE_ENV] = FORCED_ENGINES[impl]
     try:
         yield
     finally:
