@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import triton
 
 from flashtile.bench.common import environment
-from flashtile.bench.gpu import impl_fn
+from flashtile.bench.gpu import engine_for, impl_fn
 from flashtile.kernels import attention as ka
 from flashtile.kernels.hopper import attention_fwd as hopper
 
@@ -41,11 +40,8 @@ def _gluon(cfg, causal):
 
 def _triton(causal):
     def run(q, k, v):
-        os.environ["FLASHTILE_ENGINE"] = "triton"
-        try:
+        with engine_for("flashtile_triton"):
             return ka.attention_forward(q, k, v, q.shape[-1] ** -0.5, -1, 0 if causal else -1)[0]
-        finally:
-            os.environ.pop("FLASHTILE_ENGINE")
 
     return run
 
