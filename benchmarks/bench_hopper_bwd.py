@@ -5,7 +5,8 @@ backward with ``triton.testing.do_bench`` (the forward is the same Gluon forward
 flashtile row):
 
 * ``gluon`` -- the Gluon backward with its default tiles, and ``gluon:<config>`` variants
-  (``--variants``: ``HopperBwdConfig`` keywords joined by ``+``, e.g. ``num_stages=3``);
+  (``--variants``: ``HopperBwdConfig.from_spec`` specs, keywords joined by ``+``, e.g.
+  ``num_stages=3``; default: the configurations in ``attention_bwd.ALTERNATIVES``);
 * ``triton`` -- the ``tl.*`` dK/dV and dQ kernels;
 * ``sdpa_cudnn`` -- PyTorch SDPA pinned to cuDNN.
 
@@ -35,8 +36,7 @@ def _timed(impl, variant, causal, q, k, v):
     saved_env, saved_cfg = os.environ.get(ENGINE_ENV), attention_bwd.config_for
     os.environ[ENGINE_ENV] = impl
     if variant:
-        kwargs = {name: int(value) for name, value in (item.split("=") for item in variant.split("+"))}
-        attention_bwd.config_for = lambda hd: attention_bwd.HopperBwdConfig(**kwargs)
+        attention_bwd.config_for = lambda hd: attention_bwd.HopperBwdConfig.from_spec(variant)
     try:
         if impl == "triton":  # the Gluon forward, the tl.* backward
             fwd = impl_fn("flashtile", causal, q.shape[-1])
@@ -62,7 +62,8 @@ def main():
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--variants", nargs="*", default=[], help="Gluon variants: name=value[+name=value...]")
+    ap.add_argument("--variants", nargs="*", default=list(attention_bwd.ALTERNATIVES),
+                    help="Gluon variants: name=value[+name=value...] (default: attention_bwd.ALTERNATIVES)")
     ap.add_argument("--peers", nargs="*", default=["triton", "sdpa_cudnn"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

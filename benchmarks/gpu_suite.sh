@@ -42,10 +42,10 @@ for part in $parts; do
     kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
     hopper) run hopper_tests 240 python3 -m pytest tests/kernels/hopper tests/kernels/test_engine.py -q \
               -p no:cacheprovider -p no:warnings
-            run hopper_consan 200 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py
+            run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py
             run hopper_ab 240 python3 benchmarks/bench_hopper.py --headdims 128 64 256 --seqlens 1024 4096 16384 \
               --out "$RES/hopper_fwd.jsonl"
-            run hopper_bwd_ab 150 python3 benchmarks/bench_hopper_bwd.py --out "$RES/hopper_bwd.jsonl" ;;
+            run hopper_bwd_ab 300 python3 benchmarks/bench_hopper_bwd.py --out "$RES/hopper_bwd.jsonl" ;;
     parity_tests) run parity_tests 240 python3 -m pytest tests/test_kvcache_rotary.py tests/test_kvcache_leftpad.py \
                     tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
                     -q -p no:cacheprovider -p no:warnings ;;  # unmarked kernel tests run on CUDA too

@@ -4,7 +4,8 @@ ConSan instruments every shared-memory access, mbarrier and async copy of the Gl
 and traps on a read of a buffer that an in-flight TMA or wgmma may still touch, or on a
 missing wait.  Small shapes, but more work items than programs, so the persistent loop's
 hand-over between items (query buffer, K/V ring across items, ping-pong phases) is covered;
-the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared dS tile)::
+the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared dS tile), in its
+default configuration and in each of ``attention_bwd.ALTERNATIVES``::
 
     TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
 
@@ -18,6 +19,7 @@ import torch
 import triton
 
 from flashtile.kernels import attention as ka
+from flashtile.kernels.hopper import attention_bwd
 from flashtile.kernels.hopper import attention_fwd as hopper
 from flashtile.kernels.tma import padded_headdim
 
@@ -25,12 +27,15 @@ assert os.environ.get("TRITON_INSTRUMENTATION_MODE") == "consan", "set TRITON_IN
 # ConSan keeps its shadow state in global scratch memory, which Triton takes from this allocator.
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
+# Backward cases: ("bwd", d, n, heads, causal, configuration spec: "" or one of attention_bwd.ALTERNATIVES).
 CASES = [(64, 600, 32, False, False), (128, 700, 24, True, False), (256, 300, 40, True, False),
-         (128, 500, 24, False, True), ("bwd", 128, 300, 4, True), ("bwd", 64, 300, 4, False)]
+         (128, 500, 24, False, True), ("bwd", 128, 300, 4, True, ""), ("bwd", 64, 300, 4, False, "")]
+CASES += [("bwd", 128, 300, 4, True, spec) for spec in attention_bwd.ALTERNATIVES]
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     if CASES[case][0] == "bwd":
-        _, d, n, heads, causal = CASES[case]
+        _, d, n, heads, causal, spec = CASES[case]
         os.environ["FLASHTILE_ENGINE"] = "gluon"
+        attention_bwd.config_for = lambda hd, spec=spec: attention_bwd.HopperBwdConfig.from_spec(spec)
         import flashtile
 
         q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -40,7 +45,7 @@ for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
         out, lse = torch.ops.flashtile.attention_forward(q, k, v, *params)
         grads = torch.ops.flashtile.attention_backward(torch.randn_like(q), q, k, v, out, lse, None, *params)
         torch.cuda.synchronize()
-        print(f"consan backward d={d} n={n} heads={heads} causal={causal}: ok, "
+        print(f"consan backward d={d} n={n} heads={heads} causal={causal} config={spec or 'default'}: ok, "
               f"finite={all(bool(g.isfinite().all()) for g in grads)}", flush=True)
         continue
     d, n, heads, causal, varlen = CASES[case]

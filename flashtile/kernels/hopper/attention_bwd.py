@@ -17,6 +17,15 @@ probabilities from the saved LSE.  Three partitions share shared memory:
   tile, and each computes half of dQ's columns, ``dS K[:, half]`` over all 128 keys, which it
   adds into an fp32 workspace with 16-byte vector atomics.
 
+``HopperBwdConfig`` switches three alternatives of that step on (``ALTERNATIVES``; offline
+they spill a third of the default's bytes at d = 128): ``dq_tma`` stages each consumer's dQ
+share in shared memory and has the TMA engine add it into the workspace
+(``tma_reduce.async_reduce_add``, one instruction instead of the vector atomics and their
+addresses); ``dq_lag`` double-buffers the dS tile and issues a step's dQ GEMM one step later,
+so a consumer waits for the other one's dS of the step before (already written, unless it
+is a whole step behind) instead of meeting it at every step; ``dk_smem`` reads dK's dS
+operand from the shared tile instead of registers.
+
 ``delta = rowsum(dO * O)`` and the LSE in log2 units (``+inf`` for rows with no visible key, so
 their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and the dQ
 workspace is scaled and cast by the caller.  Masks and tile ranges are flashtile's
@@ -39,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from flashtile.kernels.hopper.attention_fwd import descriptor
+from flashtile.kernels.hopper.tma_reduce import async_reduce_add
 from flashtile.kernels.masking import band_mask, query_tiles
 from flashtile.kernels.runtime import cdiv, l2_bytes
 from flashtile.kernels.tile_info import dealt_tile, section_heads, sequence_bounds
@@ -133,21 +143,49 @@ def _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, d
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
-              ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+def _dq_out(DQ, DQ_desc, dq_smem, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
+            dq_rows, dq_cols, add_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+            VARLEN: gl.constexpr, DQ_TMA: gl.constexpr):
+    """Add one step's dQ share into the fp32 workspace: staged in shared memory and added by
+    the TMA engine (``DQ_TMA``), or with vector atomics from registers."""
+    if DQ_TMA:
+        if VARLEN:
+            # The box's rows past the sequence are the next packed sequence's: add exact zeros.
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            dq = gl.where(gl.expand_dims(rows < sq, 1), dq, 0.0)
+            b = 0  # packed tensors are one batch entry of the descriptor
+        tma.store_wait(0)  # the previous step's add has read the staging tile
+        dq_smem.reshape(dq.shape).store(dq)
+        fence_async_shared()
+        # Rows past a dense tensor's end fall outside the descriptor and are dropped.
+        async_reduce_add(DQ_desc, [b, q_start + m0, h, col_off], dq_smem)
+    else:
+        _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout)
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready, empty,
+              ds_ready, ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
               stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
               seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
               window_left, window_right, num_items, section_heads, key_off, col_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+              DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr):
     """Keys ``[key_off, key_off + 64)`` of the program's key tile (their dK, dV and dS rows),
     and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ.
+
+    With ``DQ_LAG`` the dS tile is double-buffered and a step's dQ GEMM is issued one step
+    later, after the consumer's own dV and dK GEMMs of the next step: a consumer waits for
+    the other one's dS of the step before, not of this one, so the two need not run in
+    lock-step (their softmax phases can interleave).
 
     Every wgmma retires within its step: one still running across the loop's back edge makes
     ptxas serialise all of them (its C7514 note; the offline check fails on it).
     """
     KEYS: gl.constexpr = CONSUMER_KEYS
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    DS_BUFS: gl.constexpr = 2 if DQ_LAG else 1
     dtype: gl.constexpr = q_bufs.dtype
     # (keys x queries) score tiles, (keys x d) dK / dV, (queries x d / 2) dQ share.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -172,14 +210,14 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
         k_h = k_all.slice(key_off, KEYS, dim=0)
         v_h = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(key_off, KEYS, dim=0)
         k_cols = k_all.slice(col_off, DQ_COLS, dim=1)
-        my_ds = ds_smem.slice(key_off, KEYS, dim=0)
         offs_k = n0 + key_off + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
         dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
         dq_cols = col_off + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, add_layout))
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+        total = n_steps * group
         mbarrier.wait(kv_ready, 0)
-        for c in range(n_steps * group):
+        for c in range(total):
             h = hk * group + c // n_steps
             m0 = lo + (c % n_steps) * BLOCK_M
             slot = c % NUM_STAGES
@@ -210,71 +248,118 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty,
             dp_t = warpgroup_mma_wait(1, deps=[dp_t])
             ds_t = (p_t * (dp_t - gl.expand_dims(gl.convert_layout(delta, q_vec), 0))).to(dtype)
             # dQ = dS K needs every key's dS, with queries as rows: each consumer writes its
-            # rows of the shared dS^T tile (once both have read the previous one), and both
+            # rows of the shared dS^T tile (once both have read what it held before), and both
             # read it transposed once both have written it.  dK's GEMM is queued in between,
-            # so the tensor cores have dV, dK and dQ of both consumers back to back.
-            mbarrier.wait(ds_free, (c & 1) ^ 1)
+            # so the tensor cores have dV, dK and dQ back to back.
+            buf = c % DS_BUFS
+            use = c // DS_BUFS
+            ds_all = ds_smem.index(buf)
+            my_ds = ds_all.slice(key_off, KEYS, dim=0)
+            mbarrier.wait(ds_free.index(buf), (use & 1) ^ 1)
             my_ds.store(ds_t)
             fence_async_shared()
-            mbarrier.arrive(ds_ready, count=1)
-            dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
-            mbarrier.wait(ds_ready, c & 1)
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols,
-                               gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
-                               use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-            mbarrier.arrive(empty.index(slot), count=1)
-            mbarrier.arrive(ds_free, count=1)
-            _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout)
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            if DK_SMEM:
+                dk = warpgroup_mma(my_ds, q, dk, is_async=True)
+            else:
+                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
+            if DQ_LAG:
+                # The previous step's dQ (its dS in the other buffer).  Step 0 has none: it
+                # multiplies its own dS tile once both consumers have written it and drops the
+                # product, so that the wgmma waits stay outside any run-time branch.
+                prev = gl.maximum(c - 1, 0)
+                mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
+                dq = warpgroup_mma(ds_smem.index(prev % 2).permute((1, 0)), k_cols,
+                                   gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                mbarrier.arrive(empty.index(slot), count=1)
+                if c > 0:
+                    mbarrier.arrive(ds_free.index(prev % 2), count=1)
+                    _dq_out(DQ, DQ_desc, dq_smem, dq, b, hk * group + prev // n_steps, lo + (prev % n_steps) * BLOCK_M,
+                            q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
+                            dq_layout, BLOCK_M, VARLEN, DQ_TMA)
+            else:
+                mbarrier.wait(ds_ready.index(0), c & 1)
+                dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
+                                   gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                mbarrier.arrive(empty.index(slot), count=1)
+                mbarrier.arrive(ds_free.index(0), count=1)
+                _dq_out(DQ, DQ_desc, dq_smem, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
+                        dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA)
+        if DQ_LAG:
+            if total > 0:
+                last = total - 1
+                mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1)
+                dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols,
+                                   gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=[dq])
+                _dq_out(DQ, DQ_desc, dq_smem, dq, b, hk * group + last // n_steps, lo + (last % n_steps) * BLOCK_M,
+                        q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
+                        dq_layout, BLOCK_M, VARLEN, DQ_TMA)
 
         kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
         _store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
         _store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
+        if DQ_TMA:
+            tma.store_wait(0)  # the staging tile stays until the engine has read it
 
 
 # ``section_heads`` varies with the shape and only causal calls read it: not specialised, so
 # its value never selects another compiled variant.
 @gluon.jit(do_not_specialize=["section_heads"])
 def attention_bwd_kernel(
-    Q_desc, K_desc, V_desc, DO_desc, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+    Q_desc, K_desc, V_desc, DO_desc, DQ_desc, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
     window_left, window_right, num_items, section_heads,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
 ):
     dtype: gl.constexpr = Q_desc.dtype
     KEYS: gl.constexpr = CONSUMER_KEYS
+    DS_BUFS: gl.constexpr = 2 if DQ_LAG else 1
     k_smem = gl.allocate_shared_memory(dtype, K_desc.block_type.shape, K_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + Q_desc.block_type.shape, Q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + DO_desc.block_type.shape, DO_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
+    if DQ_TMA:  # each consumer's dQ share, staged for the TMA add
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + DQ_desc.block_type.shape, DQ_desc.layout)
+    else:  # not read: a stand-in for the consumers' argument
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 8, 1, DQ_desc.block_type.shape[3]], DQ_desc.layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(ds_ready, count=2)  # both consumers have written their rows of dS
-    mbarrier.init(ds_free, count=2)  # both consumers' dQ GEMMs have read it
+    for i in gl.static_range(DS_BUFS):
+        mbarrier.init(ds_ready.index(i), count=2)  # both consumers have written their rows of dS
+        mbarrier.init(ds_free.index(i), count=2)  # both consumers' dQ GEMMs have read it
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty, ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(0), kv_ready, ready, empty, ds_ready,
+                     ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, 0, 0,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, kv_ready, ready, empty, ds_ready, ds_free, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, DQ_TMA, DQ_LAG, DK_SMEM)),
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(1), kv_ready, ready, empty, ds_ready,
+                     ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, DQ_TMA, DQ_LAG, DK_SMEM)),
         (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
                      ready, empty,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
@@ -290,9 +375,14 @@ def attention_bwd_kernel(
 class HopperBwdConfig:
     """Tiles of the Hopper backward (``BLOCK_N`` is two consumers' keys)."""
 
-    def __init__(self, block_m=64, num_stages=2, consumer_regs=240, producer_regs=24):
+    def __init__(self, block_m=64, num_stages=2, consumer_regs=240, producer_regs=24, dq_tma=0, dq_lag=0,
+                 dk_smem=0):
         self.block_n = 2 * CONSUMER_KEYS.value
         self.block_m, self.num_stages = block_m, num_stages
+        # Alternatives to the measured default (``ALTERNATIVES``): dQ added by the TMA engine
+        # from a staged tile instead of vector atomics; a step's dQ GEMM issued one step late
+        # (the dS tile double-buffered); dK's dS operand read from shared memory.
+        self.dq_tma, self.dq_lag, self.dk_smem = bool(dq_tma), bool(dq_lag), bool(dk_smem)
         self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
         # Three warpgroups (the producer's warp padded to one) share 64K registers: the
         # kernel-wide cap, from which the partitions' budgets are carved.
@@ -300,8 +390,20 @@ class HopperBwdConfig:
 
     def __repr__(self):
         return (f"HopperBwdConfig(BLOCK_M={self.block_m}, stages={self.num_stages}, "
-                f"regs={self.consumer_regs}/{self.producer_regs})")
+                f"regs={self.consumer_regs}/{self.producer_regs}, dq_tma={self.dq_tma}, dq_lag={self.dq_lag}, "
+                f"dk_smem={self.dk_smem})")
 
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "HopperBwdConfig":
+        """The configuration ``name=value+name=value`` (integer keyword values; ``""``: the default)."""
+        return cls(**{name: int(value) for name, value in (item.split("=") for item in spec.split("+") if item)})
+
+
+# The alternatives to the default configuration (``HopperBwdConfig.from_spec`` specs) that the
+# offline compile check covers, the GPU tests check and ``benchmarks/bench_hopper_bwd.py
+# --variants`` times against the default (docs/tuning.md).
+ALTERNATIVES = ("dq_tma=1", "dq_lag=1", "dq_tma=1+dq_lag=1", "dq_tma=1+dq_lag=1+dk_smem=1")
 
 # dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
 # consumers' budget up to d = 128.
@@ -339,7 +441,7 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
         attention_bwd_kernel[(num_items,)](
             layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
             layout.tiles(v, cfg.block_n, hd, descriptor), layout.tiles(dout, cfg.block_m, hd, descriptor),
-            dq_acc, dk, dv, lse2, delta, cu_q, cu_k, *dq_strides, *kv_strides, stride_lb, stride_lh,
+            layout.tiles(dq_acc, cfg.block_m, hd // 2, descriptor), dq_acc, dk, dv, lse2, delta, cu_q, cu_k, *dq_strides, *kv_strides, stride_lb, stride_lh,
             layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, d,
             softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
             section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * (layout.nheads // layout.nheads_k),
@@ -347,6 +449,7 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
             HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
             MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
             CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+            DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
             num_warps=4, maxnreg=cfg.maxnreg,
         )
     dq = (dq_acc[..., :d] * softmax_scale).to(q.dtype)

@@ -416,7 +416,7 @@ def config_for(head_dim_pad: int) -> HopperConfig:
 @functools.lru_cache(maxsize=None)
 def _nvmma_layout(rows: int, hd: int, torch_dtype: torch.dtype):
     # Cached: building the layout costs microseconds per descriptor, per call.
-    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[torch_dtype]
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[torch_dtype]
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, hd], gl_dtype)
 
 

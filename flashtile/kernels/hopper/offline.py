@@ -34,7 +34,7 @@ SPILL_STORE_BUDGET = {("forward", 64): 32, ("forward", 128): 32, ("forward", 256
 
 
 def _desc(dtype: str, rows: int, hd: int, block: list | None = None) -> str:
-    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dtype]
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv, "fp32": gl.float32}[dtype]
     block = block or [1, rows, 1, hd]
     return f"tensordesc<{dtype}{block},{gl.NVMMASharedLayout.get_default_for(block, gl_dtype)!r}>"
 
@@ -59,21 +59,23 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
 
 
 def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
-                     dtype: str = "bf16", config: bwd.HopperBwdConfig | None = None, **constexprs):
-    """The backward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
-    cfg = config or bwd.config_for(hd)
+                     dtype: str = "bf16", config: bwd.HopperBwdConfig | None = None, alternative: str = "",
+                     **constexprs):
+    """The backward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
+    (``alternative``: one of ``attention_bwd.ALTERNATIVES`` instead of the default configuration)."""
+    cfg = config or (bwd.HopperBwdConfig.from_spec(alternative) if alternative else bwd.config_for(hd))
     fn = bwd.attention_bwd_kernel
     ints = ("stride_dqb stride_dqm stride_dqh stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k "
             "max_seqlen_k nheads_k group headdim window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
-           "DQ": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32",
+           "DQ_desc": _desc("fp32", cfg.block_m, hd // 2), "DQ": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32",
            "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "softmax_scale": "fp32",
            **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
-              **constexprs}
+              "DQ_TMA": cfg.dq_tma, "DQ_LAG": cfg.dq_lag, "DK_SMEM": cfg.dk_smem, **constexprs}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_km")}
@@ -110,13 +112,20 @@ def within_budget(rep: dict, kernel: str, hd: int) -> bool:
 
 
 def variants():
-    """Every (kernel, head dim, causal, window, varlen, dtype) the dispatch can send to a Hopper kernel."""
+    """Every (kernel, head dim, causal, window, varlen, dtype) the dispatch can send to a Hopper kernel,
+    and the backward's alternative configurations."""
     for kernel, (causal, window), varlen, dtype in itertools.product(
             ("forward", "backward"), ((False, False), (True, False), (False, True)), (False, True), ("bf16", "fp16")):
         for hd in HEAD_DIMS[kernel]:
             yield dict(kernel=kernel, hd=hd, causal=causal, window=window, varlen=varlen, dtype=dtype)
     for hd, causal in itertools.product(HEAD_DIMS["fp8"], (False, True)):  # dense, e4m3 only
         yield dict(kernel="fp8", hd=hd, causal=causal)
+    # The backward's alternative configurations, in bf16 (the dtype changes no register or
+    # barrier of theirs).
+    for alternative, (causal, window), varlen, hd in itertools.product(
+            bwd.ALTERNATIVES, ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
+        yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
+                   alternative=alternative)
 
 
 def compile_variant(kernel: str, **shape):

@@ -13,6 +13,9 @@ from helpers import assert_close_to_reference, is_hopper, random_like, random_qk
 
 import flashtile
 
+# Its configurations parametrise the tests (a Triton without Gluon has none to run).
+attention_bwd = pytest.importorskip("flashtile.kernels.hopper.attention_bwd")
+
 pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
 
@@ -41,11 +44,11 @@ CASES = [
 ]
 
 
-@needs_hopper
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
-    *c[:6], "causal" if c[6] else "full", c[7]))
-def test_gluon_backward_matches_reference(case, dtype):
+def _case_id(c):
+    return "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(*c[:6], "causal" if c[6] else "full", c[7])
+
+
+def _check_case(case, dtype):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=dtype, device="cuda",
                          requires_grad=True)
@@ -56,6 +59,28 @@ def test_gluon_backward_matches_reference(case, dtype):
     low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
     for name, g, r64, rlow in zip(("dq", "dk", "dv"), got, ref[2:], low[2:]):
         assert_close_to_reference(g, r64, rlow, name, atol_floor=FLOOR[dtype])
+
+
+def _use_config(monkeypatch, spec):
+    """Run the Gluon backward with configuration ``spec`` (``HopperBwdConfig.from_spec``; "": the default)."""
+    if spec:
+        cfg = attention_bwd.HopperBwdConfig.from_spec(spec)
+        monkeypatch.setattr(attention_bwd, "config_for", lambda hd: cfg)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gluon_backward_matches_reference(case, dtype):
+    _check_case(case, dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("alternative", attention_bwd.ALTERNATIVES)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gluon_backward_alternative_configurations_match_reference(case, alternative, monkeypatch):
+    _use_config(monkeypatch, alternative)
+    _check_case(case, torch.bfloat16)
 
 
 @needs_hopper
@@ -71,8 +96,10 @@ def test_gluon_backward_with_lse_gradient():
 
 
 @needs_hopper
+@pytest.mark.parametrize("config", ("",) + attention_bwd.ALTERNATIVES, ids=lambda spec: spec or "default")
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_varlen_backward_matches_dense_per_sequence(causal):
+def test_gluon_varlen_backward_matches_dense_per_sequence(causal, config, monkeypatch):
+    _use_config(monkeypatch, config)
     # Zero-length and one-row sequences, and sequences whose last key tile is partial (so the
     # next packed sequence's keys sit in it and must stay masked).
     lens = [0, 1, 17, 300, 1000, 129]
