@@ -27,7 +27,7 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # * forward: ptxas keeps a few scalars of the persistent work-item loop in local memory in
 #   three dense variants (d = 128 causal, d = 256 full and windowed: 4-24 bytes);
 # * backward, d = 128: dK and dV of 64 keys (128 fp32 registers a thread) beside the score,
-#   dP and dQ tiles leave the loop's scalars and addresses in local memory (444-648 bytes;
+#   dP and dQ tiles leave the loop's scalars and addresses in local memory (432-648 bytes;
 #   loaded from L1 once a step).  d = 64 spills nothing.
 SPILL_STORE_BUDGET = {("forward", 64): 32, ("forward", 128): 32, ("forward", 256): 32,
                       ("backward", 64): 0, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
@@ -37,6 +37,14 @@ def _desc(dtype: str, rows: int, hd: int, block: list | None = None) -> str:
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv, "fp32": gl.float32}[dtype]
     block = block or [1, rows, 1, hd]
     return f"tensordesc<{dtype}{block},{gl.NVMMASharedLayout.get_default_for(block, gl_dtype)!r}>"
+
+
+def _aligned(fn, names) -> dict:
+    """``tt.divisibility = 16`` on ``names``: what Triton's JIT specialises for an ordinary call
+    (fresh, 16-byte aligned allocations; contiguous ``(batch, seqlen, heads, d)`` tensors with
+    ``d`` a multiple of 16, so every stride and the head dim divide by 16), which lets the
+    epilogue's stores vectorise as they do when the kernel runs."""
+    return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
 
 
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
@@ -53,7 +61,7 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
               "Q_BUFFERS": cfg.q_buffers, "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": False, "OFFSET": 0}
     sig.update({name: "constexpr" for name in consts})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
+    attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
@@ -77,8 +85,8 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
               "DQ_TMA": cfg.dq_tma, "DQ_LAG": cfg.dq_lag, "DK_SMEM": cfg.dk_smem, **constexprs}
     sig.update({name: "constexpr" for name in consts})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_km")}
+    attrs = _aligned(fn, ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb",
+                          "stride_km", "stride_kh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
@@ -98,7 +106,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": True,
               "OFFSET": fp8.MAX_OFFSET}
     sig.update({name: "constexpr" for name in consts})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "stride_om")}
+    attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
