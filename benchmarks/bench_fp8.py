@@ -11,7 +11,9 @@ when causal; medians of ``triton.testing.do_bench``.  Implementations:
   shared memory inside the loop (no host pass);
 * ``v_transpose`` -- the host transpose alone (ms only), ``flashtile.fp8.transpose_v``;
 * ``fp8_gluon`` / ``fp8_gluon_bn64`` -- the Hopper Gluon FP8 kernel alone (sm_90, head dims up
-  to 128), V pre-transposed, with 128- / 64-key tiles.
+  to 128), V pre-transposed, with 128- / 64-key tiles; ``--gluon-variants SPEC ...`` adds
+  ``fp8_gluon:<spec>`` for each ``attention_fp8.config_from_spec`` spec (e.g. the module's
+  ``ALTERNATIVES``).
 
 ``fp8`` runs whichever kernel ``FLASHTILE_ENGINE`` selects (on Hopper the Gluon one up to d = 128).
 
@@ -76,7 +78,7 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
-def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True):
+def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True, gluon_variants=()):
     import triton
 
     import flashtile
@@ -127,13 +129,17 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True)
                         runs.append((impl, "float8_e4m3fn", cfg, kernel))
                 if "v_transpose" in impls:
                     runs.append(("v_transpose", "float8_e4m3fn", None, partial(transpose_v, v8)))
-                for impl, block_n in (("fp8_gluon", 128), ("fp8_gluon_bn64", 64)):
-                    if impl in impls and headdim <= 128 and torch.cuda.get_device_capability() == (9, 0):
+                gluon_runs = [(impl, {"block_n": block_n}) for impl, block_n in (("fp8_gluon", 128), ("fp8_gluon_bn64", 64))
+                              if impl in impls] + [(f"fp8_gluon:{spec}", spec) for spec in gluon_variants]
+                if headdim <= 128 and torch.cuda.get_device_capability() == (9, 0):
+                    for impl, spec in gluon_runs:
                         from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
 
+                        cfg = (hopper_fp8.HopperFp8Config(**spec) if isinstance(spec, dict)
+                               else hopper_fp8.config_from_spec(hopper_fp8.padded_headdim(headdim), causal, spec))
                         runs.append((impl, "float8_e4m3fn", None,
                                      partial(hopper_fp8.forward, q8, k8, v_t, qd, kd, vd, scale, causal=causal,
-                                             config=hopper_fp8.HopperFp8Config(block_n=block_n))))
+                                             config=cfg)))
                 for impl, dtype, cfg, fn in runs:
                     rec = {**base, "impl": impl, "dtype": dtype}
                     if impl in ("fp8_pretransposed", "fp8_v_in_kernel"):
@@ -290,6 +296,8 @@ def main():
     ap.add_argument("--headdims", type=int, nargs="+", default=list(HEADDIMS))
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--gluon-variants", nargs="*", default=[],
+                    help="Gluon FP8 configuration specs name=value[+name=value...] to time as fp8_gluon:<spec>")
     ap.add_argument("--tiles", nargs="+", type=parse_tiles, default=None,
                     help="BLOCK_M,BLOCK_N,warps,stages[,maxnreg] configurations to sweep for the two kernel variants")
     ap.add_argument("--gqa", type=int, default=1, help="nheads / nheads_k (default 1: MHA)")
@@ -316,7 +324,8 @@ def main():
         sys.exit(f"unknown --impls {sorted(unknown)}; choose from {', '.join(IMPLS)}")
     from flashtile.bench.common import write_jsonl
 
-    records = run(args.seqlens, args.headdims, args.causal, impls, args.tiles, args.gqa)
+    records = run(args.seqlens, args.headdims, args.causal, impls, args.tiles, args.gqa,
+                  gluon_variants=args.gluon_variants)
     path = write_jsonl(Path(args.out) / "attention_fp8.jsonl", records)
     print_summary(records)
     try:

@@ -3,10 +3,12 @@
 For each shape (bf16, ``batch * seqlen = 16k``, ``heads * d = 2048``) times, with
 ``triton.testing.do_bench`` (median of CUDA-event timings):
 
-* ``gluon`` variants -- the Hopper forward with the tile configurations named on the command
-  line (``--configs``:
-  ``BLOCK_N,stages,pingpong,persistent[,consumer_regs[,l2_share_percent[,query_buffers]]]``;
-  one query buffer unless given), after the default configuration (``gluon``);
+* ``gluon`` variants -- the Hopper forward in its default configuration (``gluon``), then as
+  changed by ``--variants`` (``attention_fwd.config_from_spec`` specs, keywords joined by ``+``,
+  ``gluon:<spec>``; default: ``attention_fwd.ALTERNATIVES``), then with the tile configurations
+  of ``--configs``
+  (``BLOCK_N,stages,pingpong,persistent[,consumer_regs[,l2_share_percent[,query_buffers]]]``;
+  one query buffer unless given);
 * ``triton`` -- the portable ``tl.*`` forward;
 * ``sdpa_cudnn`` / ``sdpa_flash`` -- PyTorch SDPA pinned to one backend;
 
@@ -28,6 +30,7 @@ from flashtile.bench.common import environment
 from flashtile.bench.gpu import engine_for, impl_fn
 from flashtile.kernels import attention as ka
 from flashtile.kernels.hopper import attention_fwd as hopper
+from flashtile.kernels.tma import padded_headdim
 
 
 def _gluon(cfg, causal):
@@ -62,6 +65,9 @@ def main():
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--variants", nargs="*", default=list(hopper.ALTERNATIVES),
+                    help="Gluon variants: name=value[+name=value...] on the default configuration "
+                         "(default: attention_fwd.ALTERNATIVES)")
     ap.add_argument("--configs", nargs="*", default=[],
                     help="extra Gluon configs BLOCK_N,stages,pingpong,persistent[,regs[,l2_share%%[,q_buffers]]]")
     ap.add_argument("--peers", nargs="*", default=["triton", "sdpa_cudnn", "sdpa_flash"])
@@ -77,6 +83,8 @@ def main():
                 q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                            for _ in range(3))
                 impls = {"gluon": _gluon(None, causal)}
+                for spec in args.variants:
+                    impls[f"gluon:{spec}"] = _gluon(hopper.config_from_spec(padded_headdim(d), spec), causal)
                 for text in args.configs:
                     impls[f"gluon[{text}]"] = _gluon(parse_config(text), causal)
                 for peer in args.peers:

@@ -43,8 +43,8 @@ for part in $parts; do
     hopper) run hopper_tests 240 python3 -m pytest tests/kernels/hopper tests/kernels/test_engine.py -q \
               -p no:cacheprovider -p no:warnings
             run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py
-            run hopper_ab 240 python3 benchmarks/bench_hopper.py --headdims 128 64 256 --seqlens 1024 4096 16384 \
-              --out "$RES/hopper_fwd.jsonl"
+            run hopper_ab 360 python3 benchmarks/bench_hopper.py --headdims 128 64 256 --seqlens 1024 4096 16384 \
+              --out "$RES/hopper_fwd.jsonl"  # the default, attention_fwd.ALTERNATIVES and the peers
             run hopper_bwd_ab 300 python3 benchmarks/bench_hopper_bwd.py --out "$RES/hopper_bwd.jsonl" ;;
     parity_tests) run parity_tests 240 python3 -m pytest tests/test_kvcache_rotary.py tests/test_kvcache_leftpad.py \
                     tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
@@ -64,7 +64,10 @@ for part in $parts; do
     fp8) run fp8 240 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 8192 16384 --out "$RES"
          run fp8_repeat 90 python3 benchmarks/bench_fp8.py --headdims 128 --seqlens 4096 8192 16384 \
            --impls bf16,fp8_pretransposed --out "$RES/fp8_repeat"  # the run-to-run spread
-         run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
+         run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES"
+         run fp8_gluon_variants 150 python3 benchmarks/bench_fp8.py --headdims 64 128 --seqlens 4096 16384 \
+           --impls bf16,fp8_gluon,fp8_gluon_bn64 --out "$RES/fp8_gluon_variants" \
+           --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)") ;;
     ring) run ring 90 python3 -m torch.distributed.run --standalone --nproc_per_node=${RING_GPUS:-1} benchmarks/bench_ring.py \
             --seqlens 32k 64k 128k --out "$RES" ;;
     io) run iomodel 120 python3 benchmarks/measure_io.py --out "$RES" ;;

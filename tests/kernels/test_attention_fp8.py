@@ -305,6 +305,22 @@ def test_fp8_forward_gpu_awkward_shapes(case, engine, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("alternative", ["block_n=64+poly_exp2=4", "block_n=64+poly_exp2=8"])
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[5] <= 128] + [(1, 17, 17, 2, 2, 64, True, "head")],
+                         ids=_case_id)
+def test_gluon_fp8_alternative_configurations_gpu(case, alternative, monkeypatch):
+    # Each of attention_fp8.ALTERNATIVES in place of the Gluon FP8 forward's configuration.
+    _engine(monkeypatch, "gluon", case[5])
+    from flashtile.kernels.hopper import attention_fp8 as hopper_fp8, config_changes
+
+    assert alternative in hopper_fp8.ALTERNATIVES
+    default = hopper_fp8.config_for
+    monkeypatch.setattr(hopper_fp8, "config_for",
+                        lambda hd, causal: default(hd, causal).replace(**config_changes(alternative)))
+    _check(*case, api=True)
+
+
+@pytest.mark.gpu
 def test_gluon_fp8_max_offset_removes_normalisation_bias(monkeypatch):
     _engine(monkeypatch, "gluon", 64)
     with_offset, without = _normalisation_bias(True, 4096, api=True), _normalisation_bias(False, 4096, api=True)

@@ -24,3 +24,10 @@ def gluon_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def config_changes(spec: str) -> dict:
+    """The keyword arguments of a configuration spec, ``name=value+name=value`` with integer
+    values (``""``: none): how the kernels' alternative configurations (each kernel module's
+    ``ALTERNATIVES``) and the A/B benchmarks name a configuration."""
+    return {name: int(value) for name, value in (item.split("=") for item in spec.split("+") if item)}

@@ -47,6 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from flashtile.kernels.hopper import config_changes
 from flashtile.kernels.hopper.attention_fwd import descriptor
 from flashtile.kernels.hopper.tma_reduce import async_reduce_add
 from flashtile.kernels.masking import band_mask, query_tiles
@@ -396,8 +397,8 @@ class HopperBwdConfig:
 
     @classmethod
     def from_spec(cls, spec: str) -> "HopperBwdConfig":
-        """The configuration ``name=value+name=value`` (integer keyword values; ``""``: the default)."""
-        return cls(**{name: int(value) for name, value in (item.split("=") for item in spec.split("+") if item)})
+        """The configuration of ``spec`` (``hopper.config_changes``; ``""``: the default)."""
+        return cls(**config_changes(spec))
 
 
 # The alternatives to the default configuration (``HopperBwdConfig.from_spec`` specs) that the

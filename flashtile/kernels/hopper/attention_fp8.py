@@ -27,6 +27,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile.kernels.hopper import config_changes
 from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel, work_schedule
 from flashtile.kernels.runtime import cdiv, l2_bytes, next_power_of_2, sm_count
 
@@ -44,15 +45,23 @@ MAX_HEADDIM = 128
 class HopperFp8Config:
     """Tiles of the Hopper FP8 forward (``BLOCK_M`` is two consumers' rows)."""
 
-    def __init__(self, block_n=128, num_stages=2, consumer_regs=240, producer_regs=24):
+    def __init__(self, block_n=128, num_stages=2, consumer_regs=240, producer_regs=24, poly_exp2=0):
         self.block_m = 2 * CONSUMER_ROWS.value
         self.block_n, self.num_stages = block_n, num_stages
+        # One probability in poly_exp2 from a polynomial on the FMA pipe (0: every one on the MUFU).
+        self.poly_exp2 = poly_exp2
         self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
         # Three warpgroups (the producer's warp padded to one) share 64K registers.
         self.maxnreg = 65536 // (3 * 128) // 8 * 8
 
     def __repr__(self):
-        return f"HopperFp8Config(BLOCK_N={self.block_n}, stages={self.num_stages})"
+        return f"HopperFp8Config(BLOCK_N={self.block_n}, stages={self.num_stages}, poly_exp2={self.poly_exp2})"
+
+    def replace(self, **changes) -> "HopperFp8Config":
+        """This configuration with the keyword arguments in ``changes`` set instead."""
+        kwargs = dict(block_n=self.block_n, num_stages=self.num_stages, consumer_regs=self.consumer_regs,
+                      producer_regs=self.producer_regs, poly_exp2=self.poly_exp2)
+        return HopperFp8Config(**{**kwargs, **changes})
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,6 +70,17 @@ def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
     output, the tile's P V accumulator and the scores spilled 528 bytes at 128 (offline ptxas),
     none at 64."""
     return HopperFp8Config(block_n=64 if causal and head_dim_pad > 64 else 128)
+
+
+# Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
+# in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
+ALTERNATIVES = ("block_n=64+poly_exp2=4", "block_n=64+poly_exp2=8")
+
+
+def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
+    """``config_for(head_dim_pad, causal)`` with the changes of ``spec`` (``hopper.config_changes``;
+    ``""``: the default itself)."""
+    return config_for(head_dim_pad, causal).replace(**config_changes(spec))
 
 
 def padded_headdim(d: int) -> int:
@@ -105,7 +125,7 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
                       0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=True, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
+        PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0, POLY_EXP2=cfg.poly_exp2,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     return out, lse

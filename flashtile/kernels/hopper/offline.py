@@ -48,9 +48,10 @@ def _aligned(fn, names) -> dict:
 
 
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
-                    dtype: str = "bf16", config: fwd.HopperConfig | None = None):
-    """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
-    cfg = config or fwd.config_for(hd)
+                    dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = ""):
+    """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
+    (``alternative``: one of ``attention_fwd.ALTERNATIVES`` instead of the default configuration)."""
+    cfg = config or fwd.config_from_spec(hd, alternative)
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
             "nheads group headdim window_left window_right num_items section_heads").split()
@@ -59,7 +60,8 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
            "CU_K": "*i32", "DESCALES": "*fp32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "Q_BUFFERS": cfg.q_buffers, "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
-              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": False, "OFFSET": 0}
+              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": False, "OFFSET": 0,
+              "POLY_EXP2": cfg.poly_exp2}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -91,9 +93,10 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 
-def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | None = None):
-    """The forward kernel in its FP8 form as it launches for head dim ``hd`` (a power of two), compiled for sm_90a."""
-    cfg = config or fp8.config_for(hd, causal)
+def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | None = None, alternative: str = ""):
+    """The forward kernel in its FP8 form as it launches for head dim ``hd`` (a power of two), compiled for
+    sm_90a (``alternative``: one of ``attention_fp8.ALTERNATIVES`` instead of the default configuration)."""
+    cfg = config or fp8.config_from_spec(hd, causal, alternative)
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
             "nheads group headdim window_left window_right num_items section_heads").split()
@@ -104,7 +107,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False, "PINGPONG": True,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": True,
-              "OFFSET": fp8.MAX_OFFSET}
+              "OFFSET": fp8.MAX_OFFSET, "POLY_EXP2": cfg.poly_exp2}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -121,15 +124,21 @@ def within_budget(rep: dict, kernel: str, hd: int) -> bool:
 
 def variants():
     """Every (kernel, head dim, causal, window, varlen, dtype) the dispatch can send to a Hopper kernel,
-    and the backward's alternative configurations."""
+    and the kernels' alternative configurations (``ALTERNATIVES`` of each kernel's module)."""
     for kernel, (causal, window), varlen, dtype in itertools.product(
             ("forward", "backward"), ((False, False), (True, False), (False, True)), (False, True), ("bf16", "fp16")):
         for hd in HEAD_DIMS[kernel]:
             yield dict(kernel=kernel, hd=hd, causal=causal, window=window, varlen=varlen, dtype=dtype)
     for hd, causal in itertools.product(HEAD_DIMS["fp8"], (False, True)):  # dense, e4m3 only
         yield dict(kernel="fp8", hd=hd, causal=causal)
-    # The backward's alternative configurations, in bf16 (the dtype changes no register or
-    # barrier of theirs).
+    # The alternative configurations, in bf16 (the dtype changes no register or barrier of
+    # theirs): the forward's and FP8's (the softmax's exp2) on dense inputs up to d = 128, where
+    # the exp2 units bound the tile; the backward's everywhere the backward runs.
+    for alternative, causal, hd in itertools.product(fwd.ALTERNATIVES, (False, True), (64, 128)):
+        yield dict(kernel="forward", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16",
+                   alternative=alternative)
+    for alternative, causal, hd in itertools.product(fp8.ALTERNATIVES, (False, True), HEAD_DIMS["fp8"]):
+        yield dict(kernel="fp8", hd=hd, causal=causal, alternative=alternative)
     for alternative, (causal, window), varlen, hd in itertools.product(
             bwd.ALTERNATIVES, ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
         yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",

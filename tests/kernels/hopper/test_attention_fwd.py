@@ -13,6 +13,9 @@ from helpers import assert_close_to_reference, is_hopper, random_like, random_qk
 
 import flashtile
 
+# Its configurations parametrise the tests (a Triton without Gluon has none to run).
+attention_fwd = pytest.importorskip("flashtile.kernels.hopper.attention_fwd")
+
 pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
 
@@ -67,6 +70,35 @@ CASES = [
 def test_gluon_forward_matches_reference(case, dtype):
     # Forcing Gluon forces the backward too, which takes head dims up to 128.
     _check(*case, dtype=dtype, backward=dtype == torch.bfloat16 and case[5] <= 128)
+
+
+# Each alternative configuration (attention_fwd.ALTERNATIVES) on the cases up to d = 128
+# (where the alternatives are meant to run), forward only, through the kernel's launcher.
+ALTERNATIVE_CASES = [c for c in CASES if c[5] <= 128]
+
+
+@needs_hopper
+@pytest.mark.parametrize("alternative", attention_fwd.ALTERNATIVES)
+@pytest.mark.parametrize("case", ALTERNATIVE_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
+    *c[:6], "causal" if c[6] else "full", c[7]))
+def test_gluon_forward_alternative_configurations_match_reference(case, alternative):
+    from flashtile.kernels import attention as ka
+    from flashtile.kernels.tma import padded_headdim
+
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
+    left, right = (window[0], 0) if causal else window
+    cfg = attention_fwd.config_from_spec(padded_headdim(headdim), alternative)
+    out, lse = attention_fwd.forward(ka.Layout(q, k), q, k, v, headdim ** -0.5, left, right, config=cfg)
+    kw = dict(causal=causal, window_size=window)
+    dout = random_like(out, seed=1)
+    ref = reference_attention_grads(q, k, v, dout, **kw)
+    low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
+    assert_close_to_reference(out, ref[0], low[0], "out", atol_floor=FLOOR[torch.bfloat16])
+    empty = ref[1] == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), "rows with no visible key must have LSE -inf"
+    assert_close_to_reference(lse[~empty], ref[1][~empty], low[1][~empty].to(torch.float64), "lse",
+                              atol_floor=FLOOR[torch.bfloat16])
 
 
 @needs_hopper
