@@ -137,9 +137,11 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
 
                         cfg = (hopper_fp8.HopperFp8Config(**spec) if isinstance(spec, dict)
                                else hopper_fp8.config_from_spec(hopper_fp8.padded_headdim(headdim), causal, spec))
+                        # The kernel alone: V in the key order a key_order configuration reads, made once.
+                        v_in = hopper_fp8.wgmma_key_order(v_t) if cfg.key_order else v_t
                         runs.append((impl, "float8_e4m3fn", None,
-                                     partial(hopper_fp8.forward, q8, k8, v_t, qd, kd, vd, scale, causal=causal,
-                                             config=cfg)))
+                                     partial(hopper_fp8.forward, q8, k8, v_in, qd, kd, vd, scale, causal=causal,
+                                             config=cfg, v_in_key_order=cfg.key_order)))
                 for impl, dtype, cfg, fn in runs:
                     rec = {**base, "impl": impl, "dtype": dtype}
                     if impl in ("fp8_pretransposed", "fp8_v_in_kernel"):

@@ -12,6 +12,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from flashtile.kernels.runtime import cdiv
+from flashtile.masking import key_range
+
 
 @triton.jit
 def tile_and_head(seqlen, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
@@ -137,3 +140,31 @@ def schedule(costs: tuple, heads: int, programs: int, max_section: int, unit: in
     step = max(1, (max_section - low) // unit // (_MAX_CANDIDATES - 1)) * unit
     candidates = range(max_section, low - 1, -step)
     return min(candidates, key=lambda section: round(_imbalance(costs, heads, section, programs), 6))
+
+
+def query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right) -> tuple:
+    """Per query tile, the key tiles it visits (the band's ``key_range``, as the kernel's
+    ``key_tiles`` rounds it) plus one for its fixed work (the query load, the first tile's
+    unpipelined scores, the store): the cost model of the causal schedule."""
+    costs = []
+    for m0 in range(0, seqlen_q, block_m):
+        lo, hi = key_range(m0, m0 + block_m, seqlen_q, seqlen_k, window_left, window_right)
+        costs.append((cdiv(hi, block_n) - lo // block_n if hi > lo else 0) + 1)
+    return tuple(costs)
+
+
+@functools.lru_cache(maxsize=1024)
+def work_schedule(heads, group, seqlen_q, seqlen_k, kv_row_bytes, block_m, block_n, window_left, window_right,
+                  programs, l2_budget) -> int:
+    """The Hopper forward's ``section_heads`` (``dealt_tile``) for ``heads`` (batch * heads)
+    query heads in GQA groups of ``group``, K and V rows of ``kv_row_bytes`` each.  Causal-like
+    (``window_right >= 0``): sections of at most the heads whose K and V fit in ``l2_budget``
+    bytes (a group's query heads share theirs), sized by :func:`schedule` for
+    ``programs`` persistent programs (0: one program per item)."""
+    if window_right < 0:
+        return heads
+    max_section = section_heads(seqlen_k * kv_row_bytes // group, heads, l2_budget)
+    if programs == 0:
+        return max_section
+    costs = query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right)
+    return schedule(costs, heads, programs, max_section, group)

@@ -39,6 +39,7 @@ their dK / dV rows are not stored.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -373,27 +374,30 @@ def attention_bwd_kernel(
 # --------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
 class HopperBwdConfig:
     """Tiles of the Hopper backward (``BLOCK_N`` is two consumers' keys)."""
 
-    def __init__(self, block_m=64, num_stages=2, consumer_regs=240, producer_regs=24, dq_tma=0, dq_lag=0,
-                 dk_smem=0):
-        self.block_n = 2 * CONSUMER_KEYS.value
-        self.block_m, self.num_stages = block_m, num_stages
-        # Alternatives to the measured default (``ALTERNATIVES``): dQ added by the TMA engine
-        # from a staged tile instead of vector atomics; a step's dQ GEMM issued one step late
-        # (the dS tile double-buffered); dK's dS operand read from shared memory.
-        self.dq_tma, self.dq_lag, self.dk_smem = bool(dq_tma), bool(dq_lag), bool(dk_smem)
-        self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
+    block_m: int = 64
+    num_stages: int = 2
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    # Alternatives to the measured default (``ALTERNATIVES``): dQ added by the TMA engine
+    # from a staged tile instead of vector atomics; a step's dQ GEMM issued one step late
+    # (the dS tile double-buffered); dK's dS operand read from shared memory.
+    dq_tma: bool = False
+    dq_lag: bool = False
+    dk_smem: bool = False
+
+    @property
+    def block_n(self) -> int:
+        return 2 * CONSUMER_KEYS.value
+
+    @property
+    def maxnreg(self) -> int:
         # Three warpgroups (the producer's warp padded to one) share 64K registers: the
         # kernel-wide cap, from which the partitions' budgets are carved.
-        self.maxnreg = 65536 // (3 * 128) // 8 * 8
-
-    def __repr__(self):
-        return (f"HopperBwdConfig(BLOCK_M={self.block_m}, stages={self.num_stages}, "
-                f"regs={self.consumer_regs}/{self.producer_regs}, dq_tma={self.dq_tma}, dq_lag={self.dq_lag}, "
-                f"dk_smem={self.dk_smem})")
-
+        return 65536 // (3 * 128) // 8 * 8
 
     @classmethod
     def from_spec(cls, spec: str) -> "HopperBwdConfig":

@@ -21,6 +21,7 @@ accumulator alone would take 256 registers a thread).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -28,8 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.hopper import config_changes
-from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel, work_schedule
+from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel
+from flashtile.kernels.hopper.fp8_key_order import wgmma_key_order
 from flashtile.kernels.runtime import cdiv, l2_bytes, next_power_of_2, sm_count
+from flashtile.kernels.tile_info import work_schedule
 
 LOG2E = 1.4426950408889634
 # log2 of the factor P is scaled by before its e4m3 cast: 2^8 = 256 <= 448.
@@ -42,26 +45,28 @@ MAX_HEADDIM = 128
 # --------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
 class HopperFp8Config:
     """Tiles of the Hopper FP8 forward (``BLOCK_M`` is two consumers' rows)."""
 
-    def __init__(self, block_n=128, num_stages=2, consumer_regs=240, producer_regs=24, poly_exp2=0):
-        self.block_m = 2 * CONSUMER_ROWS.value
-        self.block_n, self.num_stages = block_n, num_stages
-        # One probability in poly_exp2 from a polynomial on the FMA pipe (0: every one on the MUFU).
-        self.poly_exp2 = poly_exp2
-        self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
+    block_n: int = 128
+    num_stages: int = 2
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    # One probability in poly_exp2 from a polynomial on the FMA pipe (0: every one on the MUFU).
+    poly_exp2: int = 0
+    # V's keys stored in the P operand's order (fp8_key_order), so that P needs no shuffle
+    # between threads on its way to the P V wgmma.
+    key_order: bool = False
+
+    @property
+    def block_m(self) -> int:
+        return 2 * CONSUMER_ROWS.value
+
+    @property
+    def maxnreg(self) -> int:
         # Three warpgroups (the producer's warp padded to one) share 64K registers.
-        self.maxnreg = 65536 // (3 * 128) // 8 * 8
-
-    def __repr__(self):
-        return f"HopperFp8Config(BLOCK_N={self.block_n}, stages={self.num_stages}, poly_exp2={self.poly_exp2})"
-
-    def replace(self, **changes) -> "HopperFp8Config":
-        """This configuration with the keyword arguments in ``changes`` set instead."""
-        kwargs = dict(block_n=self.block_n, num_stages=self.num_stages, consumer_regs=self.consumer_regs,
-                      producer_regs=self.producer_regs, poly_exp2=self.poly_exp2)
-        return HopperFp8Config(**{**kwargs, **changes})
+        return 65536 // (3 * 128) // 8 * 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,13 +79,13 @@ def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
 # in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
-ALTERNATIVES = ("block_n=64+poly_exp2=4", "block_n=64+poly_exp2=8")
+ALTERNATIVES = ("key_order=1", "block_n=64+key_order=1", "block_n=64+poly_exp2=4", "block_n=64+key_order=1+poly_exp2=4")
 
 
 def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
     """``config_for(head_dim_pad, causal)`` with the changes of ``spec`` (``hopper.config_changes``;
     ``""``: the default itself)."""
-    return config_for(head_dim_pad, causal).replace(**config_changes(spec))
+    return dataclasses.replace(config_for(head_dim_pad, causal), **config_changes(spec))
 
 
 def padded_headdim(d: int) -> int:
@@ -97,11 +102,14 @@ def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(tuple(block)))
 
 
-def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=False, max_offset=True, config=None):
+def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=False, max_offset=True, config=None,
+            v_in_key_order=False):
     """The FP8 forward on Hopper: ``q (b, nq, h, d)``, ``k (b, nk, hk, d)`` e4m3 with TMA-ready
     strides, ``v_t (b, hk, d, nk)`` (V transposed, keys contiguous), descales fp32 ``(1,)`` or
     ``(b, hk)``.  Returns ``(out bf16 (b, nq, h, d), lse fp32 (b, h, nq))``, as the portable
-    FP8 kernel does."""
+    FP8 kernel does.  A configuration with ``key_order`` reads V with its keys in the P
+    operand's order: made here from ``v_t``, or ``v_t`` already is (``v_in_key_order``, from
+    :func:`wgmma_key_order`)."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     hd = padded_headdim(d)
@@ -114,6 +122,8 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
     # (q, k, v) descales as one (3, batch, nheads_k) table: the kernel reads [which, b, hk].
     descales = torch.stack([x.reshape(-1, x.shape[-1] if x.dim() == 2 else 1).expand(batch, nheads_k)
                             for x in (q_descale, k_descale, v_descale)]).contiguous()
+    if cfg.key_order and not v_in_key_order:
+        v_t = wgmma_key_order(v_t)
     programs = min(num_items, sm_count(q.device.index))
     attention_fwd_kernel[(programs,)](
         _descriptor(q, [1, cfg.block_m, 1, hd]), _descriptor(k, [1, cfg.block_n, 1, hd]),
@@ -126,6 +136,7 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=True, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0, POLY_EXP2=cfg.poly_exp2,
+        KEY_ORDER=cfg.key_order,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     return out, lse

@@ -40,6 +40,7 @@ descales, the max offset, K-major V tiles and a per-tile P V accumulator, see ``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -50,12 +51,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.hopper import config_changes
 from flashtile.kernels.hopper.exp2 import exp2_mixed
+from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
-from flashtile.kernels.tile_info import dealt_tile, schedule, section_heads, sequence_bounds
+from flashtile.kernels.tile_info import dealt_tile, sequence_bounds, work_schedule
 from flashtile.kernels.tma import DescriptorTemplate, checks_pass, padded_headdim
-from flashtile.masking import key_range
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -195,7 +196,8 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
               window_left, window_right, num_items, section_heads, row_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, POLY_EXP2: gl.constexpr):
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, POLY_EXP2: gl.constexpr,
+              KEY_ORDER: gl.constexpr):
     """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop.
 
     With ``FP8`` (e4m3 inputs, see ``attention_fp8.py``): the (batch, kv head)'s descales
@@ -258,7 +260,10 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, lo, offs_m, sq, sk, scale,
                                                   window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
                                                   MASK_LEFT, MASK_RIGHT, OFFSET, POLY_EXP2)
-                p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
+                if KEY_ORDER:
+                    p_prev = key_ordered_operand(p, p_layout)
+                else:
+                    p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
                 count += 1
                 # One induction variable, the ring count c: this item's tile c - first starts at
                 # key n_base + c * BLOCK_N.
@@ -287,7 +292,10 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                     if FP8:
                         pv = acc + pv
                     acc = pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                    p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
+                    if KEY_ORDER:
+                        p_prev = key_ordered_operand(p, p_layout)
+                    else:
+                        p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
                 count = end
                 # The query tile is no longer read: its buffer may take a later item's tile.
                 mbarrier.arrive(q_empty_b, count=1)
@@ -335,7 +343,7 @@ def attention_fwd_kernel(
     section_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
-    OFFSET: gl.constexpr, POLY_EXP2: gl.constexpr,
+    OFFSET: gl.constexpr, POLY_EXP2: gl.constexpr, KEY_ORDER: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -370,12 +378,12 @@ def attention_fwd_kernel(
                      turns.index(1), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
                      window_left, window_right, num_items, section_heads, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
-                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, POLY_EXP2)),
+                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, POLY_EXP2, KEY_ORDER)),
         (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
                      turns.index(0), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
                      window_left, window_right, num_items, section_heads, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
-                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, POLY_EXP2)),
+                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, POLY_EXP2, KEY_ORDER)),
         (_producer, (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
                      num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
@@ -388,37 +396,32 @@ def attention_fwd_kernel(
 # --------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
 class HopperConfig:
     """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
 
-    def __init__(self, block_n, num_stages, pingpong=True, persistent=True, consumer_regs=240, producer_regs=24,
-                 l2_share=0.5, q_buffers=1, poly_exp2=0):
-        self.block_m = 2 * CONSUMER_ROWS.value
-        # One probability in poly_exp2 from a polynomial on the FMA pipe (0: every one on the MUFU).
-        self.poly_exp2 = poly_exp2
-        self.block_n, self.num_stages, self.pingpong = block_n, num_stages, pingpong
-        # Two query buffers: the producer loads the next work item's query tile during this one.
-        self.q_buffers = q_buffers
-        self.persistent = persistent  # one program per SM looping over work items, else one per item
-        # Causal schedules deal across the heads whose K and V fit in this share of L2 (0: all heads).
-        self.l2_share = l2_share
-        self.consumer_regs, self.producer_regs = consumer_regs, producer_regs
+    block_n: int
+    num_stages: int
+    pingpong: bool = True
+    persistent: bool = True  # one program per SM looping over work items, else one per item
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    # Causal schedules deal across the heads whose K and V fit in this share of L2 (0: all heads).
+    l2_share: float = 0.5
+    # Two query buffers: the producer loads the next work item's query tile during this one.
+    q_buffers: int = 1
+    # One probability in poly_exp2 from a polynomial on the FMA pipe (0: every one on the MUFU).
+    poly_exp2: int = 0
+
+    @property
+    def block_m(self) -> int:
+        return 2 * CONSUMER_ROWS.value
+
+    @property
+    def maxnreg(self) -> int:
         # The kernel-wide register cap from which the partitions' budgets are carved: three
         # warpgroups (two consumers, the producer's padded to one) share 64K registers.
-        self.maxnreg = (2 * consumer_regs + producer_regs) // 3 // 8 * 8
-
-    def __repr__(self):
-        return (f"HopperConfig(BLOCK_N={self.block_n}, stages={self.num_stages}, pingpong={self.pingpong}, "
-                f"persistent={self.persistent}, "
-                f"regs={self.consumer_regs}/{self.producer_regs}, l2_share={self.l2_share}, "
-                f"q_buffers={self.q_buffers}, poly_exp2={self.poly_exp2})")
-
-    def replace(self, **changes) -> "HopperConfig":
-        """This configuration with the keyword arguments in ``changes`` set instead."""
-        kwargs = dict(block_n=self.block_n, num_stages=self.num_stages, pingpong=self.pingpong,
-                      persistent=self.persistent, consumer_regs=self.consumer_regs, producer_regs=self.producer_regs,
-                      l2_share=self.l2_share, q_buffers=self.q_buffers, poly_exp2=self.poly_exp2)
-        return HopperConfig(**{**kwargs, **changes})
+        return (2 * self.consumer_regs + self.producer_regs) // 3 // 8 * 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -439,7 +442,7 @@ ALTERNATIVES = ("poly_exp2=4", "poly_exp2=8")
 def config_from_spec(head_dim_pad: int, spec: str) -> HopperConfig:
     """``config_for(head_dim_pad)`` with the changes of ``spec`` (``hopper.config_changes``;
     ``""``: the default itself)."""
-    return config_for(head_dim_pad).replace(**config_changes(spec))
+    return dataclasses.replace(config_for(head_dim_pad), **config_changes(spec))
 
 
 @functools.lru_cache(maxsize=None)
@@ -463,34 +466,6 @@ def descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
     desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=[1, rows, 1, hd], layout=layout,
                          padding="zero")
     return desc
-
-
-def query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right) -> tuple:
-    """Per query tile, the key tiles it visits (the band's ``key_range``, as the kernel's
-    ``key_tiles`` rounds it) plus one for its fixed work (the query load, the first tile's
-    unpipelined scores, the store): the cost model of the causal schedule."""
-    costs = []
-    for m0 in range(0, seqlen_q, block_m):
-        lo, hi = key_range(m0, m0 + block_m, seqlen_q, seqlen_k, window_left, window_right)
-        costs.append((cdiv(hi, block_n) - lo // block_n if hi > lo else 0) + 1)
-    return tuple(costs)
-
-
-@functools.lru_cache(maxsize=1024)
-def work_schedule(heads, group, seqlen_q, seqlen_k, kv_row_bytes, block_m, block_n, window_left, window_right,
-                  programs, l2_budget) -> int:
-    """The kernel's ``section_heads`` (``tile_info.dealt_tile``) for ``heads`` (batch * heads)
-    query heads in GQA groups of ``group``, K and V rows of ``kv_row_bytes`` each.  Causal-like
-    (``window_right >= 0``): sections of at most the heads whose K and V fit in ``l2_budget``
-    bytes (a group's query heads share theirs), sized by ``tile_info.schedule`` for
-    ``programs`` persistent programs (0: one program per item)."""
-    if window_right < 0:
-        return heads
-    max_section = section_heads(seqlen_k * kv_row_bytes // group, heads, l2_budget)
-    if programs == 0:
-        return max_section
-    costs = query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right)
-    return schedule(costs, heads, programs, max_section, group)
 
 
 def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
@@ -545,7 +520,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
-        POLY_EXP2=cfg.poly_exp2,
+        POLY_EXP2=cfg.poly_exp2, KEY_ORDER=False,
         num_warps=4, maxnreg=cfg.maxnreg,
     ), dynamic=_DYNAMIC)
     return out, lse
@@ -580,7 +555,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=False, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
-        POLY_EXP2=cfg.poly_exp2,
+        POLY_EXP2=cfg.poly_exp2, KEY_ORDER=False,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
