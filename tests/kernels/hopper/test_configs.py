@@ -1,0 +1,49 @@
+"""The Hopper kernels' configurations and their alternatives (``ALTERNATIVES``), on the CPU.
+
+Each alternative is a spec (``hopper.config_changes``: ``name=value+name=value``) applied to
+the default configuration; the offline compile check, the GPU tests and the A/B benchmarks
+all read them through the same functions, so a spec that names no field must fail loudly.
+"""
+
+import dataclasses
+
+import pytest
+
+hopper = pytest.importorskip("flashtile.kernels.hopper")
+from flashtile.kernels.hopper import attention_bwd, attention_fp8, attention_fwd  # noqa: E402  (after the skip)
+
+
+def test_config_changes_parses_integer_keywords():
+    assert hopper.config_changes("") == {}
+    assert hopper.config_changes("block_n=64+poly_exp2=4") == {"block_n": 64, "poly_exp2": 4}
+
+
+@pytest.mark.parametrize("spec", attention_fwd.ALTERNATIVES)
+@pytest.mark.parametrize("head_dim_pad", [64, 128])
+def test_forward_alternatives_change_the_default(spec, head_dim_pad):
+    default = attention_fwd.config_for(head_dim_pad)
+    changed = attention_fwd.config_from_spec(head_dim_pad, spec)
+    assert changed != default
+    assert dataclasses.replace(changed, **{k: getattr(default, k) for k in hopper.config_changes(spec)}) == default
+    assert attention_fwd.config_from_spec(head_dim_pad, "") == default
+
+
+@pytest.mark.parametrize("spec", attention_fp8.ALTERNATIVES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_alternatives_apply_their_changes(spec, causal):
+    changed = attention_fp8.config_from_spec(128, causal, spec)
+    for name, value in hopper.config_changes(spec).items():
+        assert getattr(changed, name) == value
+
+
+@pytest.mark.parametrize("spec", attention_bwd.ALTERNATIVES)
+def test_backward_alternatives_differ_from_the_default(spec):
+    assert attention_bwd.HopperBwdConfig.from_spec(spec) != attention_bwd.config_for(128)
+    assert attention_bwd.HopperBwdConfig.from_spec("") == attention_bwd.config_for(128)
+
+
+def test_a_spec_naming_no_field_is_rejected():
+    with pytest.raises(TypeError):
+        attention_fwd.config_from_spec(128, "no_such_knob=1")
+    with pytest.raises(TypeError):
+        attention_bwd.HopperBwdConfig.from_spec("no_such_knob=1")
