@@ -31,3 +31,10 @@ def config_changes(spec: str) -> dict:
     values (``""``: none): how the kernels' alternative configurations (each kernel module's
     ``ALTERNATIVES``) and the A/B benchmarks name a configuration."""
     return {name: int(value) for name, value in (item.split("=") for item in spec.split("+") if item)}
+
+
+def register_cap(consumer_regs: int, producer_regs: int) -> int:
+    """The kernel-wide register cap (``maxnreg``) of a kernel of two consumer warpgroups and a
+    producer warp (padded to a warpgroup), from which ``warp_specialize`` carves each
+    partition's budget: the three warpgroups' mean, rounded down to a multiple of 8."""
+    return (2 * consumer_regs + producer_regs) // 3 // 8 * 8

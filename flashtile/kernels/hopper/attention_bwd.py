@@ -48,7 +48,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashtile.kernels.hopper import config_changes
+from flashtile.kernels.hopper import config_changes, register_cap
 from flashtile.kernels.hopper.attention_fwd import descriptor
 from flashtile.kernels.hopper.tma_reduce import async_reduce_add
 from flashtile.kernels.masking import band_mask, query_tiles
@@ -395,9 +395,7 @@ class HopperBwdConfig:
 
     @property
     def maxnreg(self) -> int:
-        # Three warpgroups (the producer's warp padded to one) share 64K registers: the
-        # kernel-wide cap, from which the partitions' budgets are carved.
-        return 65536 // (3 * 128) // 8 * 8
+        return register_cap(self.consumer_regs, self.producer_regs)
 
     @classmethod
     def from_spec(cls, spec: str) -> "HopperBwdConfig":

@@ -28,7 +28,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.hopper import config_changes
+from flashtile.kernels.hopper import config_changes, register_cap
 from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel
 from flashtile.kernels.hopper.fp8_key_order import wgmma_key_order
 from flashtile.kernels.runtime import cdiv, l2_bytes, next_power_of_2, sm_count
@@ -65,8 +65,7 @@ class HopperFp8Config:
 
     @property
     def maxnreg(self) -> int:
-        # Three warpgroups (the producer's warp padded to one) share 64K registers.
-        return 65536 // (3 * 128) // 8 * 8
+        return register_cap(self.consumer_regs, self.producer_regs)
 
 
 @functools.lru_cache(maxsize=None)

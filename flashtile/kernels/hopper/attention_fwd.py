@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.hopper import config_changes
+from flashtile.kernels.hopper import config_changes, register_cap
 from flashtile.kernels.hopper.exp2 import exp2_mixed
 from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
 from flashtile.kernels.launch import bind, launch, placeholder
@@ -419,9 +419,7 @@ class HopperConfig:
 
     @property
     def maxnreg(self) -> int:
-        # The kernel-wide register cap from which the partitions' budgets are carved: three
-        # warpgroups (two consumers, the producer's padded to one) share 64K registers.
-        return (2 * self.consumer_regs + self.producer_regs) // 3 // 8 * 8
+        return register_cap(self.consumer_regs, self.producer_regs)
 
 
 @functools.lru_cache(maxsize=None)
