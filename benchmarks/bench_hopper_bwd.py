@@ -5,7 +5,7 @@ backward with ``triton.testing.do_bench`` (the forward is the same Gluon forward
 flashtile row):
 
 * ``gluon`` -- the Gluon backward with its default tiles, and ``gluon:<config>`` variants
-  (``--variants``: ``HopperBwdConfig.from_spec`` specs, keywords joined by ``+``, e.g.
+  (``--variants``: ``attention_bwd.config_from_spec`` specs, keywords joined by ``+``, e.g.
   ``num_stages=3``; default: the configurations in ``attention_bwd.ALTERNATIVES``);
 * ``triton`` -- the ``tl.*`` dK/dV and dQ kernels;
 * ``sdpa_cudnn`` -- PyTorch SDPA pinned to cuDNN.
@@ -26,7 +26,7 @@ import torch
 from flashtile.bench.common import environment
 from flashtile.bench.gpu import attention_flops, impl_fn, time_attention
 from flashtile.kernels.engine import ENGINE_ENV
-from flashtile.kernels.hopper import attention_bwd
+from flashtile.kernels.hopper import attention_bwd, configured
 
 
 def _timed(impl, variant, causal, q, k, v):
@@ -36,7 +36,7 @@ def _timed(impl, variant, causal, q, k, v):
     saved_env, saved_cfg = os.environ.get(ENGINE_ENV), attention_bwd.config_for
     os.environ[ENGINE_ENV] = impl
     if variant:
-        attention_bwd.config_for = lambda hd: attention_bwd.HopperBwdConfig.from_spec(variant)
+        attention_bwd.config_for = configured(saved_cfg, variant)
     try:
         if impl == "triton":  # the Gluon forward, the tl.* backward
             fwd = impl_fn("flashtile", causal, q.shape[-1])

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from flashtile.kernels import attention as ka
-from flashtile.kernels.hopper import attention_bwd
+from flashtile.kernels.hopper import attention_bwd, configured
 from flashtile.kernels.hopper import attention_fwd as hopper
 from flashtile.kernels.tma import padded_headdim
 
@@ -31,11 +31,12 @@ triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=tor
 CASES = [(64, 600, 32, False, False), (128, 700, 24, True, False), (256, 300, 40, True, False),
          (128, 500, 24, False, True), ("bwd", 128, 300, 4, True, ""), ("bwd", 64, 300, 4, False, "")]
 CASES += [("bwd", 128, 300, 4, True, spec) for spec in attention_bwd.ALTERNATIVES]
+default_bwd_config = attention_bwd.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     if CASES[case][0] == "bwd":
         _, d, n, heads, causal, spec = CASES[case]
         os.environ["FLASHTILE_ENGINE"] = "gluon"
-        attention_bwd.config_for = lambda hd, spec=spec: attention_bwd.HopperBwdConfig.from_spec(spec)
+        attention_bwd.config_for = configured(default_bwd_config, spec)
         import flashtile
 
         q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -312,12 +312,10 @@ def test_fp8_forward_gpu_awkward_shapes(case, engine, monkeypatch):
 def test_gluon_fp8_alternative_configurations_gpu(case, alternative, monkeypatch):
     # Each of attention_fp8.ALTERNATIVES in place of the Gluon FP8 forward's configuration.
     _engine(monkeypatch, "gluon", case[5])
-    from flashtile.kernels.hopper import attention_fp8 as hopper_fp8, config_changes
+    from flashtile.kernels.hopper import attention_fp8 as hopper_fp8, configured
 
     assert alternative in hopper_fp8.ALTERNATIVES
-    default = hopper_fp8.config_for
-    monkeypatch.setattr(hopper_fp8, "config_for",
-                        lambda hd, causal: default(hd, causal).replace(**config_changes(alternative)))
+    monkeypatch.setattr(hopper_fp8, "config_for", configured(hopper_fp8.config_for, alternative))
     _check(*case, api=True)
 
 

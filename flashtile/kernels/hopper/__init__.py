@@ -9,6 +9,8 @@ Triton version in ``SUPPORTED_TRITON``; other versions fall back to the ``tl.*``
 
 from __future__ import annotations
 
+import dataclasses
+
 import triton
 
 # The Gluon names used here were checked against this release (its API is experimental).
@@ -33,8 +35,22 @@ def config_changes(spec: str) -> dict:
     return {name: int(value) for name, value in (item.split("=") for item in spec.split("+") if item)}
 
 
-def register_cap(consumer_regs: int, producer_regs: int) -> int:
-    """The kernel-wide register cap (``maxnreg``) of a kernel of two consumer warpgroups and a
-    producer warp (padded to a warpgroup), from which ``warp_specialize`` carves each
-    partition's budget: the three warpgroups' mean, rounded down to a multiple of 8."""
-    return (2 * consumer_regs + producer_regs) // 3 // 8 * 8
+def configured(config_for, spec: str):
+    """A kernel module's ``config_for`` with the changes of ``spec`` applied to every
+    configuration it returns: what a module's ``config_from_spec`` calls, and what the tests and
+    A/B benchmarks put in place of ``config_for`` to run an alternative."""
+    changes = config_changes(spec)
+    if not changes:
+        return config_for
+    return lambda *key: dataclasses.replace(config_for(*key), **changes)
+
+
+class RegisterBudget:
+    """The register cap of a Hopper configuration (a dataclass with ``consumer_regs`` and
+    ``producer_regs``): two consumer warpgroups and a producer warp (padded to a warpgroup)."""
+
+    @property
+    def maxnreg(self) -> int:
+        # The kernel-wide cap from which ``warp_specialize`` carves each partition's budget:
+        # the three warpgroups' mean, rounded down to a multiple of 8.
+        return (2 * self.consumer_regs + self.producer_regs) // 3 // 8 * 8

@@ -48,7 +48,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashtile.kernels.hopper import config_changes, register_cap
+from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.attention_fwd import descriptor
 from flashtile.kernels.hopper.tma_reduce import async_reduce_add
 from flashtile.kernels.masking import band_mask, query_tiles
@@ -375,7 +375,7 @@ def attention_bwd_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
-class HopperBwdConfig:
+class HopperBwdConfig(RegisterBudget):
     """Tiles of the Hopper backward (``BLOCK_N`` is two consumers' keys)."""
 
     block_m: int = 64
@@ -393,17 +393,8 @@ class HopperBwdConfig:
     def block_n(self) -> int:
         return 2 * CONSUMER_KEYS.value
 
-    @property
-    def maxnreg(self) -> int:
-        return register_cap(self.consumer_regs, self.producer_regs)
 
-    @classmethod
-    def from_spec(cls, spec: str) -> "HopperBwdConfig":
-        """The configuration of ``spec`` (``hopper.config_changes``; ``""``: the default)."""
-        return cls(**config_changes(spec))
-
-
-# The alternatives to the default configuration (``HopperBwdConfig.from_spec`` specs) that the
+# The alternatives to the default configuration (``config_from_spec`` specs) that the
 # offline compile check covers, the GPU tests check and ``benchmarks/bench_hopper_bwd.py
 # --variants`` times against the default (docs/tuning.md).
 ALTERNATIVES = ("dq_tma=1", "dq_lag=1", "dq_tma=1+dq_lag=1", "dq_tma=1+dq_lag=1+dk_smem=1")
@@ -417,6 +408,12 @@ MAX_HEADDIM = 128
 def config_for(head_dim_pad: int) -> HopperBwdConfig:
     """The tile configuration per padded head dim (alternatives measured in docs/tuning.md)."""
     return HopperBwdConfig()
+
+
+def config_from_spec(head_dim_pad: int, spec: str) -> HopperBwdConfig:
+    """``config_for(head_dim_pad)`` with the changes of ``spec`` (``hopper.config_changes``;
+    ``""``: the default itself)."""
+    return configured(config_for, spec)(head_dim_pad)
 
 
 def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left, window_right, config=None):

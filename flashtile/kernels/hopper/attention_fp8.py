@@ -28,7 +28,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.hopper import config_changes, register_cap
+from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel
 from flashtile.kernels.hopper.fp8_key_order import wgmma_key_order
 from flashtile.kernels.runtime import cdiv, l2_bytes, next_power_of_2, sm_count
@@ -46,7 +46,7 @@ MAX_HEADDIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class HopperFp8Config:
+class HopperFp8Config(RegisterBudget):
     """Tiles of the Hopper FP8 forward (``BLOCK_M`` is two consumers' rows)."""
 
     block_n: int = 128
@@ -62,10 +62,6 @@ class HopperFp8Config:
     @property
     def block_m(self) -> int:
         return 2 * CONSUMER_ROWS.value
-
-    @property
-    def maxnreg(self) -> int:
-        return register_cap(self.consumer_regs, self.producer_regs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +80,7 @@ ALTERNATIVES = ("key_order=1", "block_n=64+key_order=1", "block_n=64+poly_exp2=4
 def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
     """``config_for(head_dim_pad, causal)`` with the changes of ``spec`` (``hopper.config_changes``;
     ``""``: the default itself)."""
-    return dataclasses.replace(config_for(head_dim_pad, causal), **config_changes(spec))
+    return configured(config_for, spec)(head_dim_pad, causal)
 
 
 def padded_headdim(d: int) -> int:

@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashtile.kernels.hopper import config_changes, register_cap
+from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.exp2 import exp2_mixed
 from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
 from flashtile.kernels.launch import bind, launch, placeholder
@@ -397,7 +397,7 @@ def attention_fwd_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
-class HopperConfig:
+class HopperConfig(RegisterBudget):
     """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
 
     block_n: int
@@ -416,10 +416,6 @@ class HopperConfig:
     @property
     def block_m(self) -> int:
         return 2 * CONSUMER_ROWS.value
-
-    @property
-    def maxnreg(self) -> int:
-        return register_cap(self.consumer_regs, self.producer_regs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -440,7 +436,7 @@ ALTERNATIVES = ("poly_exp2=4", "poly_exp2=8")
 def config_from_spec(head_dim_pad: int, spec: str) -> HopperConfig:
     """``config_for(head_dim_pad)`` with the changes of ``spec`` (``hopper.config_changes``;
     ``""``: the default itself)."""
-    return dataclasses.replace(config_for(head_dim_pad), **config_changes(spec))
+    return configured(config_for, spec)(head_dim_pad)
 
 
 @functools.lru_cache(maxsize=None)

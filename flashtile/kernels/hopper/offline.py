@@ -73,7 +73,7 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
                      **constexprs):
     """The backward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
     (``alternative``: one of ``attention_bwd.ALTERNATIVES`` instead of the default configuration)."""
-    cfg = config or (bwd.HopperBwdConfig.from_spec(alternative) if alternative else bwd.config_for(hd))
+    cfg = config or bwd.config_from_spec(hd, alternative)
     fn = bwd.attention_bwd_kernel
     ints = ("stride_dqb stride_dqm stride_dqh stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k "
             "max_seqlen_k nheads_k group headdim window_left window_right num_items section_heads").split()

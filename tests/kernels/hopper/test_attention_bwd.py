@@ -15,6 +15,7 @@ import flashtile
 
 # Its configurations parametrise the tests (a Triton without Gluon has none to run).
 attention_bwd = pytest.importorskip("flashtile.kernels.hopper.attention_bwd")
+from flashtile.kernels.hopper import configured  # noqa: E402  (after the skip)
 
 pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
@@ -62,10 +63,8 @@ def _check_case(case, dtype):
 
 
 def _use_config(monkeypatch, spec):
-    """Run the Gluon backward with configuration ``spec`` (``HopperBwdConfig.from_spec``; "": the default)."""
-    if spec:
-        cfg = attention_bwd.HopperBwdConfig.from_spec(spec)
-        monkeypatch.setattr(attention_bwd, "config_for", lambda hd: cfg)
+    """Run the Gluon backward with configuration ``spec`` (``hopper.configured``; "": the default)."""
+    monkeypatch.setattr(attention_bwd, "config_for", configured(attention_bwd.config_for, spec))
 
 
 @needs_hopper

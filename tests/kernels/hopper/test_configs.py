@@ -38,12 +38,12 @@ def test_fp8_alternatives_apply_their_changes(spec, causal):
 
 @pytest.mark.parametrize("spec", attention_bwd.ALTERNATIVES)
 def test_backward_alternatives_differ_from_the_default(spec):
-    assert attention_bwd.HopperBwdConfig.from_spec(spec) != attention_bwd.config_for(128)
-    assert attention_bwd.HopperBwdConfig.from_spec("") == attention_bwd.config_for(128)
+    assert attention_bwd.config_from_spec(128, spec) != attention_bwd.config_for(128)
+    assert attention_bwd.config_from_spec(128, "") == attention_bwd.config_for(128)
 
 
 def test_a_spec_naming_no_field_is_rejected():
     with pytest.raises(TypeError):
         attention_fwd.config_from_spec(128, "no_such_knob=1")
     with pytest.raises(TypeError):
-        attention_bwd.HopperBwdConfig.from_spec("no_such_knob=1")
+        attention_bwd.config_from_spec(128, "no_such_knob=1")
