@@ -679,7 +679,11 @@ class BoundLaunch:
             # The first call of this class (or a class launch() left undecided): launch() keys
             # it in full, launches it and says what later calls may do.
             entry = _launch(kernel, self.grid, self.arguments(head), self.options, self.dynamic)
-            if entry is not None and dyn is not _UNCLASSIFIED and _UNCLASSIFIED not in (dyn or ()):
+            # One dynamic position's class is ``dyn`` itself (1 for the int 1, not a tuple); several
+            # positions' classes are a tuple of them.
+            unclassified = dyn is _UNCLASSIFIED or (dyn_of is not None and dyn_of.__class__ is not int
+                                                    and _UNCLASSIFIED in dyn)
+            if entry is not None and not unclassified:
                 if len(self.variants) >= _MAX_VARIANTS:
                     self.variants.clear()
                 # The launcher's own arguments and the constexprs follow the call's, in one tuple.

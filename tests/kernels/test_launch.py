@@ -368,6 +368,18 @@ def test_bound_launches_are_direct_with_the_calls_tensors_and_descriptors(toy):
         assert args[9] is head[0] and args[10] is head[1] and args[11:] == (40, 0.5, 16, False)
 
 
+@pytest.mark.parametrize("dynamic", [(2,), (2, 3)])
+def test_bound_dynamic_ints_of_every_class_launch(toy, dynamic):
+    """A bound launcher's dynamic ints through every class (1 is a constexpr of its own): each
+    new class launches the ordinary way once, then directly."""
+    kernel, calls = toy
+    x = torch.zeros(8)
+    bound = launch_mod.bind(kernel, (1,), dict(BLOCK=16), (x, x, 40, 0.5), dynamic=dynamic)
+    for n in (1, 1, 17, 18, 32, 1):
+        bound((x, x, n, 0.5))
+    assert _kinds(calls) == ["ordinary", "direct", "ordinary", "direct", "ordinary", "direct"]
+
+
 def _gluon_layouts():
     gl = pytest.importorskip("triton.experimental.gluon.language")
     return [gl.NVMMASharedLayout(swizzle, 32, rank=4, transposed=t) for swizzle, t in ((32, False), (64, False),
