@@ -2,7 +2,7 @@
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
 #   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax
-#                                                 hopper alternatives parity_tests features generate few_rows decode decode_host decode_iam
+#                                                 hopper alternatives consan parity_tests features generate few_rows decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -46,16 +46,17 @@ for part in $parts; do
             run hopper_ab 360 python3 benchmarks/bench_hopper.py --headdims 128 64 256 --seqlens 1024 4096 16384 \
               --out "$RES/hopper_fwd.jsonl"  # the default, attention_fwd.ALTERNATIVES and the peers
             run hopper_bwd_ab 300 python3 benchmarks/bench_hopper_bwd.py --out "$RES/hopper_bwd.jsonl" ;;
-    alternatives)  # the Hopper kernels' alternative configurations (each module's ALTERNATIVES): checked, then timed
-      run alternative_tests 360 python3 -m pytest tests/kernels/hopper tests/kernels/test_attention_fp8.py -m gpu -n 8 \
-        -q -p no:cacheprovider -p no:warnings
-      run alternative_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py
-      run alternative_fwd 300 python3 benchmarks/bench_hopper.py --headdims 64 128 --seqlens 1024 4096 16384 \
+    alternatives)  # the Hopper kernels' alternative configurations (each module's ALTERNATIVES): timed, then checked (one call)
+      run alternative_fwd 130 python3 benchmarks/bench_hopper.py --headdims 64 128 --seqlens 1024 4096 16384 \
         --peers triton sdpa_cudnn --out "$RES/hopper_fwd.jsonl"
-      run alternative_bwd 300 python3 benchmarks/bench_hopper_bwd.py --seqlens 1024 4096 16384 --out "$RES/hopper_bwd.jsonl"
-      run alternative_fp8 150 python3 benchmarks/bench_fp8.py --headdims 64 128 --seqlens 4096 16384 \
+      run alternative_bwd 160 python3 benchmarks/bench_hopper_bwd.py --seqlens 1024 4096 16384 --peers triton sdpa_cudnn \
+        --out "$RES/hopper_bwd.jsonl"
+      run alternative_fp8 90 python3 benchmarks/bench_fp8.py --headdims 64 128 --seqlens 4096 16384 \
         --impls bf16,fp8_gluon,fp8_gluon_bn64 --out "$RES/fp8_gluon_variants" \
-        --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)") ;;
+        --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)")
+      run alternative_tests 180 python3 -m pytest tests/kernels/hopper tests/kernels/test_attention_fp8.py -m gpu -n 12 \
+        -q -p no:cacheprovider -p no:warnings ;;
+    consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py ;;
     parity_tests) run parity_tests 240 python3 -m pytest tests/test_kvcache_rotary.py tests/test_kvcache_leftpad.py \
                     tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
                     -q -p no:cacheprovider -p no:warnings ;;  # unmarked kernel tests run on CUDA too

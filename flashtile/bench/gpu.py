@@ -203,30 +203,34 @@ def run_gpu_benchmark(
     jobs = [(d, c, n, m, i) for d in headdims for c in causals for n in seqlens for m in modes for i in impls]
     bar = tqdm(jobs, disable=not progress, desc="attention")
     fns = {}
-    for headdim, causal, seqlen, mode, impl in bar:
-        bar.set_postfix_str(f"d={headdim} causal={int(causal)} n={seqlen} {mode} {impl}")
-        batch, nheads = max(1, 16384 // seqlen), 2048 // headdim
-        rec = dict(bench="attention", impl=impl, mode=mode, dtype=str(dtype).replace("torch.", ""), batch=batch,
-                   nheads=nheads, nheads_k=nheads, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim, causal=causal, **env)
-        naive_bytes = batch * nheads * seqlen * seqlen * (2 + 4 + 2) * (3 if mode == "fwd_bwd" else 1)
-        if impl == "naive" and naive_bytes > NAIVE_BYTES_LIMIT:
-            records.append(dict(rec, ms=None, tflops=None, skipped="scores would not fit"))
-            continue
-        key = (impl, causal, headdim)
-        if key not in fns:
-            fns[key] = impl_fn(impl, causal, headdim)
-        gen = torch.Generator(device="cuda").manual_seed(seqlen)
-        q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
-        try:
-            with engine_for(impl):
-                ms = time_attention(fns[key], mode, q, k, v)
-        except Exception as e:  # noqa: BLE001 - a peer without support for a shape is recorded, not fatal
-            records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
-            continue
-        tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode) / (ms * 1e-3) / 1e12
-        records.append(dict(rec, ms=ms, tflops=tflops, **_engine_field(impl, q, k)))
-        del q, k, v
-        torch.cuda.empty_cache()
+    try:
+        for headdim, causal, seqlen, mode, impl in bar:
+            bar.set_postfix_str(f"d={headdim} causal={int(causal)} n={seqlen} {mode} {impl}")
+            batch, nheads = max(1, 16384 // seqlen), 2048 // headdim
+            rec = dict(bench="attention", impl=impl, mode=mode, dtype=str(dtype).replace("torch.", ""), batch=batch,
+                       nheads=nheads, nheads_k=nheads, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim, causal=causal, **env)
+            naive_bytes = batch * nheads * seqlen * seqlen * (2 + 4 + 2) * (3 if mode == "fwd_bwd" else 1)
+            if impl == "naive" and naive_bytes > NAIVE_BYTES_LIMIT:
+                records.append(dict(rec, ms=None, tflops=None, skipped="scores would not fit"))
+                continue
+            key = (impl, causal, headdim)
+            if key not in fns:
+                fns[key] = impl_fn(impl, causal, headdim)
+            gen = torch.Generator(device="cuda").manual_seed(seqlen)
+            q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+            try:
+                with engine_for(impl):
+                    ms = time_attention(fns[key], mode, q, k, v)
+            except Exception as e:  # noqa: BLE001 - a peer without support for a shape is recorded, not fatal
+                records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode) / (ms * 1e-3) / 1e12
+            records.append(dict(rec, ms=ms, tflops=tflops, **_engine_field(impl, q, k)))
+            del q, k, v
+            torch.cuda.empty_cache()
+    except KeyboardInterrupt:  # a run cut short (Ctrl-C, a time limit's SIGINT) keeps what it measured
+        print(f"interrupted after {len(records)} of {len(jobs)} timings; saving those", flush=True)
+        memory_seqlens = ()
 
     # Peak extra memory of one forward + backward against N (16 heads, d = 128), every peer;
     # naive attention only while its N x N scores fit.
