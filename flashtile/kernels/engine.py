@@ -12,10 +12,11 @@ Two engines compute the same attention on CUDA tensors:
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
-The backward and the FP8 forward have Gluon kernels too (head dims up to 128; the backward
-without dropout, softcap or ALiBi, not ``deterministic``), which only a forced ``gluon``
-selects: neither is faster than its ``tl.*`` counterpart yet (``backward_engine``,
-``fp8_forward_engine``).
+The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi, not
+``deterministic``), which ``auto`` takes where it can run the call from head dim 65, as for
+the forward (``backward_engine``).
+The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
+the ``tl.*`` one (``fp8_forward_engine``).
 
 Under ``auto``, a dense forward of at most ``SPLIT_KV_MAX_SEQLEN_Q`` query rows (a decoding
 step through ``flash_attn_func``, as transformers makes it) runs on neither forward kernel but
@@ -44,7 +45,8 @@ ENGINE_KNOBS = register_family("engine", "FLASHTILE_ENGINE", {
 })
 ENGINE_ENV = ENGINE_KNOBS.env_var
 # The Gluon forward runs head dims 33-256 (forced with FLASHTILE_ENGINE=gluon); auto sends
-# it 65-256 only: at 64 and below neither engine is ahead beyond noise (docs/tuning.md).
+# it, and the Gluon backward, head dims from 65 only: at 64 and below neither engine is ahead
+# beyond noise in either direction (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
 GLUON_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128.
@@ -151,7 +153,7 @@ def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: fl
     if q.shape[-1] > GLUON_BACKWARD_MAX_HEADDIM:
         return f"head dim {q.shape[-1]} (the Gluon backward takes up to {GLUON_BACKWARD_MAX_HEADDIM})"
     if deterministic:
-        return "deterministic=True (the Gluon backward adds dQ with atomics, in no fixed order)"
+        return "deterministic=True (the Gluon backward adds dQ in no fixed order)"
     return None
 
 
@@ -159,16 +161,24 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
                     deterministic: bool = False) -> str:
     """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device.
 
-    ``auto`` keeps the ``tl.*`` backward: the Gluon one measured at 0.85-1.02x of it on an
-    H200 (forward + backward, bf16, d = 64 / 128, N = 4k / 16k; docs/tuning.md), and it adds
-    dQ with atomics (not bitwise reproducible).  ``gluon`` forces it where it can run the call.
+    ``auto`` takes the Gluon backward where it can run the call, for the forward's head dims
+    (``GLUON_AUTO_MIN_HEADDIM`` up): at d = 128 forward + backward measured 1.1-1.3x the
+    ``tl.*`` backward's TFLOP/s on an H200 from N = 2k (bf16; 0.8-1.2x at N = 512 / 1k, where
+    both are far below cuDNN), while at d = 64 the two were within -10 % / +13 % of each other
+    with no consistent winner below N = 8k (docs/tuning.md).
+    Like flash-attn's, it adds dQ in no fixed order, so gradients are not bitwise
+    reproducible; ``deterministic=True`` keeps the ``tl.*`` backward, whose dQ kernel owns its
+    rows.  ``triton`` / ``gluon`` force one.
     """
-    if requested_engine() != "gluon":
+    wanted = requested_engine()
+    if wanted == "triton":
         return "triton"
     reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes, deterministic)
-    if reason is not None:
+    if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_AUTO_MIN_HEADDIM):
+        return "gluon"
+    if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon backward cannot run this call: {reason}")
-    return "gluon"
+    return "triton"
 
 
 # The Gluon FP8 forward keeps the output and each tile's P V accumulator in registers: head

@@ -31,7 +31,7 @@ def test_reasons_cover_what_the_gluon_forward_lacks():
     assert "CUDA" in engine.gluon_forward_reason(q, q, None, 0.0, None)
 
 
-def test_backward_takes_the_tl_kernels_unless_gluon_is_forced(monkeypatch):
+def test_backward_off_hopper_takes_the_tl_kernels_unless_gluon_is_forced(monkeypatch):
     q = torch.zeros(1, 4, 2, 128)
     for value in ("auto", "triton"):
         monkeypatch.setenv(engine.ENGINE_ENV, value)
@@ -52,7 +52,12 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.forward_engine(make(64), make(64)) == "triton"
     assert engine.forward_engine(make(128, torch.float32), make(128, torch.float32)) == "triton"
     assert engine.forward_engine(make(128), make(128), softcap=5.0) == "triton"
-    assert engine.backward_engine(make(128), make(128)) == "triton"  # auto: the tl.* backward
+    assert engine.backward_engine(make(128), make(128)) == "gluon"
+    assert engine.backward_engine(make(96), make(96)) == "gluon"
+    assert engine.backward_engine(make(64), make(64)) == "triton"  # the forward's head-dim rule
+    assert engine.backward_engine(make(256), make(256)) == "triton"  # past the Gluon backward's head dims
+    assert engine.backward_engine(make(128), make(128), deterministic=True) == "triton"
+    assert engine.backward_engine(make(128), make(128), softcap=5.0) == "triton"
 
 
 @pytest.mark.gpu

@@ -10,9 +10,9 @@
      dQ into step 2 with atomics measured 25-45 % slower on an H200: docs/tuning.md.)
 
 Like the forward, each pass walks its tiles in up to three runs (``query_tiles`` /
-``key_tiles``) so that only the edge tiles pay for the mask.  With ``FLASHTILE_ENGINE=gluon``
-on Hopper (``engine.backward_engine``), steps 2 and 3 run as the Gluon kernel of
-``flashtile/kernels/hopper/attention_bwd.py`` instead.
+``key_tiles``) so that only the edge tiles pay for the mask.  On Hopper, where
+``engine.backward_engine`` picks it (head dims 65-128, not ``deterministic``), steps 2 and 3
+run as the Gluon kernel of ``flashtile/kernels/hopper/attention_bwd.py`` instead.
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
 
 
 def bwd(dout, q, k, v, out, lse, params: AttentionParams, dlse=None, configs=None):
-    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added with atomics) or the
+    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added in no fixed order) or the
     ``tl.*`` dK/dV and dQ kernels (no atomics: bitwise reproducible), the latter always when
     ``params.deterministic`` or ``configs`` (``(dK/dV config, dQ config)``, replacing :func:`bwd_config`'s)."""
     return _backward(Layout(q, k), dout, q, k, v, out, lse, params, dlse, configs)

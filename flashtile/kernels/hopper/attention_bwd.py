@@ -15,12 +15,12 @@ probabilities from the saved LSE.  Three partitions share shared memory:
   ``P^T = exp2(S^T * scale * log2 e - LSE * log2 e)``, ``dS^T = P^T (dP^T - delta)``,
   ``dV += P^T dO`` and ``dK += dS^T Q``.  Both write their rows of ``dS^T`` into one shared
   tile, and each computes half of dQ's columns, ``dS K[:, half]`` over all 128 keys, which it
-  adds into an fp32 workspace with 16-byte vector atomics.
+  adds into an fp32 workspace.
 
-``HopperBwdConfig`` switches three alternatives of that step on (``ALTERNATIVES``; offline
-they spill a third of the default's bytes at d = 128): ``dq_tma`` stages each consumer's dQ
-share in shared memory and has the TMA engine add it into the workspace
-(``tma_reduce.async_reduce_add``, one instruction instead of the vector atomics and their
+How a step's dQ share is made is ``HopperBwdConfig``'s choice (``config_for`` per head dim;
+the other combinations are ``ALTERNATIVES``): ``dq_tma`` stages each consumer's share in
+shared memory and has the TMA engine add it into the workspace
+(``tma_reduce.async_reduce_add``, one instruction instead of 16-byte vector atomics and their
 addresses); ``dq_lag`` double-buffers the dS tile and issues a step's dQ GEMM one step later,
 so a consumer waits for the other one's dS of the step before (already written, unless it
 is a whole step behind) instead of meeting it at every step; ``dk_smem`` reads dK's dS
@@ -312,7 +312,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready
 
 # ``section_heads`` varies with the shape and only causal calls read it: not specialised, so
 # its value never selects another compiled variant.
-@gluon.jit(do_not_specialize=["section_heads"])
+# ``group`` unspecialised: with it and the sequence lengths all 1 (one query head per key
+# head, one row), Triton 3.6's lowering of the late dQ GEMM's loop to LLVM fails an assertion.
+@gluon.jit(do_not_specialize=["section_heads", "group"])
 def attention_bwd_kernel(
     Q_desc, K_desc, V_desc, DO_desc, DQ_desc, DQ, DK, DV, LSE2, Delta, CU_Q, CU_K,
     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
@@ -382,9 +384,9 @@ class HopperBwdConfig(RegisterBudget):
     num_stages: int = 2
     consumer_regs: int = 240
     producer_regs: int = 24
-    # Alternatives to the measured default (``ALTERNATIVES``): dQ added by the TMA engine
-    # from a staged tile instead of vector atomics; a step's dQ GEMM issued one step late
-    # (the dS tile double-buffered); dK's dS operand read from shared memory.
+    # dQ added by the TMA engine from a staged tile (else: vector atomics); a step's dQ GEMM
+    # issued one step late (the dS tile double-buffered); dK's dS operand read from shared
+    # memory (else: registers).  ``config_for`` picks them per head dim.
     dq_tma: bool = False
     dq_lag: bool = False
     dk_smem: bool = False
@@ -397,7 +399,7 @@ class HopperBwdConfig(RegisterBudget):
 # The alternatives to the default configuration (``config_from_spec`` specs) that the
 # offline compile check covers, the GPU tests check and ``benchmarks/bench_hopper_bwd.py
 # --variants`` times against the default (docs/tuning.md).
-ALTERNATIVES = ("dq_tma=1", "dq_lag=1", "dq_tma=1+dq_lag=1", "dq_tma=1+dq_lag=1+dk_smem=1")
+ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1")
 
 # dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
 # consumers' budget up to d = 128.
@@ -406,8 +408,10 @@ MAX_HEADDIM = 128
 
 @functools.lru_cache(maxsize=None)
 def config_for(head_dim_pad: int) -> HopperBwdConfig:
-    """The tile configuration per padded head dim (alternatives measured in docs/tuning.md)."""
-    return HopperBwdConfig()
+    """The tile configuration per padded head dim, the fastest measured on an H200 (forward +
+    backward, bf16, N = 1k-16k; docs/tuning.md): the TMA's dQ add everywhere, and at d = 128
+    the late dQ GEMM too (at d = 64 it measured within noise of the TMA add alone)."""
+    return HopperBwdConfig(dq_tma=True, dq_lag=head_dim_pad > 64)
 
 
 def config_from_spec(head_dim_pad: int, spec: str) -> HopperBwdConfig:

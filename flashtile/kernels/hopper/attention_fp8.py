@@ -53,11 +53,9 @@ class HopperFp8Config(RegisterBudget):
     num_stages: int = 2
     consumer_regs: int = 240
     producer_regs: int = 24
-    # One probability in poly_exp2 from a polynomial on the FMA pipe (0: every one on the MUFU).
-    poly_exp2: int = 0
     # V's keys stored in the P operand's order (fp8_key_order), so that P needs no shuffle
     # between threads on its way to the P V wgmma.
-    key_order: bool = False
+    key_order: bool = True
 
     @property
     def block_m(self) -> int:
@@ -74,7 +72,7 @@ def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
 # in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
-ALTERNATIVES = ("key_order=1", "block_n=64+key_order=1", "block_n=64+poly_exp2=4", "block_n=64+key_order=1+poly_exp2=4")
+ALTERNATIVES = ("key_order=0", "block_n=64")
 
 
 def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
@@ -130,7 +128,7 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
                       0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=True, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0, POLY_EXP2=cfg.poly_exp2,
+        PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
         KEY_ORDER=cfg.key_order,
         num_warps=4, maxnreg=cfg.maxnreg,
     )

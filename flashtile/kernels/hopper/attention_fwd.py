@@ -50,7 +50,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.hopper import RegisterBudget, configured
-from flashtile.kernels.hopper.exp2 import exp2_mixed
 from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
@@ -138,14 +137,12 @@ def _producer(Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
 @gluon.jit
 def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                   full_lo, full_hi, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, OFFSET: gl.constexpr = 0,
-                  POLY_EXP2: gl.constexpr = 0):
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, OFFSET: gl.constexpr = 0):
     """Online-softmax update for one key tile: (p, alpha, m, l) with scores in log2 units.
 
     Tiles outside ``[full_lo, full_hi)`` are cut by the band or the sequence end and get
     the element-wise mask; a row with no visible key so far keeps ``m = -inf`` and
-    subtracts 0, so its probabilities are exactly 0, never NaN.  ``POLY_EXP2 = n > 0``: one
-    probability in ``n`` from a polynomial on the FMA pipe (``exp2.exp2_mixed``).
+    subtracts 0, so its probabilities are exactly 0, never NaN.
     """
     if (n0 < full_lo) | (n0 >= full_hi):
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -155,11 +152,7 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     # OFFSET (FP8's max offset) scales P, and so l, by 2^OFFSET: O = acc / l is unchanged.
-    x = qk * qk_scale - gl.expand_dims(m_sub - OFFSET, 1)
-    if POLY_EXP2 > 0:
-        p = exp2_mixed(x, POLY_EXP2)
-    else:
-        p = gl.exp2(x)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_sub - OFFSET, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -196,7 +189,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
               window_left, window_right, num_items, section_heads, row_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, POLY_EXP2: gl.constexpr,
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr,
               KEY_ORDER: gl.constexpr):
     """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop.
 
@@ -259,7 +252,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                 mbarrier.arrive(k_empty.index(slot), count=1)
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, lo, offs_m, sq, sk, scale,
                                                   window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
-                                                  MASK_LEFT, MASK_RIGHT, OFFSET, POLY_EXP2)
+                                                  MASK_LEFT, MASK_RIGHT, OFFSET)
                 if KEY_ORDER:
                     p_prev = key_ordered_operand(p, p_layout)
                 else:
@@ -286,7 +279,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
                     mbarrier.arrive(k_empty.index(slot), count=1)
                     p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, scale,
                                                       window_left, window_right, full_lo, full_hi, s_layout,
-                                                      BLOCK_N, MASK_LEFT, MASK_RIGHT, OFFSET, POLY_EXP2)
+                                                      BLOCK_N, MASK_LEFT, MASK_RIGHT, OFFSET)
                     pv = warpgroup_mma_wait(0, deps=[pv])
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     if FP8:
@@ -343,7 +336,7 @@ def attention_fwd_kernel(
     section_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
-    OFFSET: gl.constexpr, POLY_EXP2: gl.constexpr, KEY_ORDER: gl.constexpr,
+    OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -378,12 +371,12 @@ def attention_fwd_kernel(
                      turns.index(1), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
                      window_left, window_right, num_items, section_heads, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
-                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, POLY_EXP2, KEY_ORDER)),
+                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
         (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
                      turns.index(0), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
                      window_left, window_right, num_items, section_heads, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
-                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, POLY_EXP2, KEY_ORDER)),
+                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
         (_producer, (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
                      num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
@@ -410,8 +403,6 @@ class HopperConfig(RegisterBudget):
     l2_share: float = 0.5
     # Two query buffers: the producer loads the next work item's query tile during this one.
     q_buffers: int = 1
-    # One probability in poly_exp2 from a polynomial on the FMA pipe (0: every one on the MUFU).
-    poly_exp2: int = 0
 
     @property
     def block_m(self) -> int:
@@ -430,7 +421,7 @@ def config_for(head_dim_pad: int) -> HopperConfig:
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs) that the offline
 # compile check covers, the GPU tests check and ``benchmarks/bench_hopper.py --variants`` times
 # against the default (docs/tuning.md).
-ALTERNATIVES = ("poly_exp2=4", "poly_exp2=8")
+ALTERNATIVES = ("q_buffers=1",)
 
 
 def config_from_spec(head_dim_pad: int, spec: str) -> HopperConfig:
@@ -514,7 +505,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
-        POLY_EXP2=cfg.poly_exp2, KEY_ORDER=False,
+        KEY_ORDER=False,
         num_warps=4, maxnreg=cfg.maxnreg,
     ), dynamic=_DYNAMIC)
     return out, lse
@@ -549,7 +540,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=False, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
-        POLY_EXP2=cfg.poly_exp2, KEY_ORDER=False,
+        KEY_ORDER=False,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the

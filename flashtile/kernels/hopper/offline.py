@@ -33,6 +33,11 @@ SPILL_STORE_BUDGET = {("forward", 64): 32, ("forward", 128): 32, ("forward", 256
                       ("backward", 64): 0, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
 
 
+# The backward's integer arguments that are 1 for one row of one sequence against one key, in
+# MHA, and that the JIT therefore specialises (``group`` is marked not to be).
+ONE_ROW_CONSTANTS = ("seqlen_q", "seqlen_k", "max_seqlen_k", "nheads_k", "num_items")
+
+
 def _desc(dtype: str, rows: int, hd: int, block: list | None = None) -> str:
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv, "fp32": gl.float32}[dtype]
     block = block or [1, rows, 1, hd]
@@ -61,7 +66,7 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "Q_BUFFERS": cfg.q_buffers, "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": False, "OFFSET": 0,
-              "POLY_EXP2": cfg.poly_exp2, "KEY_ORDER": False}
+              "KEY_ORDER": False}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -107,7 +112,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False, "PINGPONG": True,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": True,
-              "OFFSET": fp8.MAX_OFFSET, "POLY_EXP2": cfg.poly_exp2, "KEY_ORDER": cfg.key_order}
+              "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -143,6 +148,12 @@ def variants():
             bwd.ALTERNATIVES, ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
         yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    alternative=alternative)
+    # One query row, one key and one query head per key head: Triton's JIT passes the integer
+    # arguments equal to 1 as constants, which fold the query-tile loop to one step (a lowering
+    # of the backward's late dQ GEMM once failed there).
+    for alternative, hd in itertools.product(("",) + bwd.ALTERNATIVES, HEAD_DIMS["backward"]):
+        yield dict(kernel="backward", hd=hd, causal=False, window=False, varlen=False, dtype="bf16",
+                   alternative=alternative, **{name: 1 for name in ONE_ROW_CONSTANTS})
 
 
 def compile_variant(kernel: str, **shape):

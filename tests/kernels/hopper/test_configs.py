@@ -15,7 +15,7 @@ from flashtile.kernels.hopper import attention_bwd, attention_fp8, attention_fwd
 
 def test_config_changes_parses_integer_keywords():
     assert hopper.config_changes("") == {}
-    assert hopper.config_changes("block_n=64+poly_exp2=4") == {"block_n": 64, "poly_exp2": 4}
+    assert hopper.config_changes("block_n=64+q_buffers=2") == {"block_n": 64, "q_buffers": 2}
 
 
 @pytest.mark.parametrize("spec", attention_fwd.ALTERNATIVES)
@@ -37,9 +37,10 @@ def test_fp8_alternatives_apply_their_changes(spec, causal):
 
 
 @pytest.mark.parametrize("spec", attention_bwd.ALTERNATIVES)
-def test_backward_alternatives_differ_from_the_default(spec):
-    assert attention_bwd.config_from_spec(128, spec) != attention_bwd.config_for(128)
-    assert attention_bwd.config_from_spec(128, "") == attention_bwd.config_for(128)
+@pytest.mark.parametrize("head_dim_pad", [64, 128])
+def test_backward_alternatives_differ_from_the_default(spec, head_dim_pad):
+    assert attention_bwd.config_from_spec(head_dim_pad, spec) != attention_bwd.config_for(head_dim_pad)
+    assert attention_bwd.config_from_spec(head_dim_pad, "") == attention_bwd.config_for(head_dim_pad)
 
 
 def test_a_spec_naming_no_field_is_rejected():
