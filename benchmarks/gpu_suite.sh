@@ -2,7 +2,7 @@
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
 #   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax
-#                                                 hopper alternatives consan parity_tests features generate few_rows decode decode_host decode_iam
+#                                                 hopper alternatives consan profile_bwd parity_tests features generate few_rows decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -57,6 +57,8 @@ for part in $parts; do
       run alternative_tests 180 python3 -m pytest tests/kernels/hopper tests/kernels/test_attention_fp8.py -m gpu -n 12 \
         -q -p no:cacheprovider -p no:warnings ;;
     consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py ;;
+    profile_bwd) run profile_fwd_bwd 150 python3 benchmarks/profile_fwd_bwd.py --seqlens 512 1024 2048 16384 --causal 0 1 \
+                   --out "$RES/profile_fwd_bwd.jsonl" ;;  # kernels and idle time of one forward + backward
     parity_tests) run parity_tests 240 python3 -m pytest tests/test_kvcache_rotary.py tests/test_kvcache_leftpad.py \
                     tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
                     -q -p no:cacheprovider -p no:warnings ;;  # unmarked kernel tests run on CUDA too

@@ -27,8 +27,9 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # * forward: ptxas keeps a few scalars of the persistent work-item loop in local memory in
 #   three dense variants (d = 128 causal, d = 256 full and windowed: 4-24 bytes);
 # * backward, d = 128: dK and dV of 64 keys (128 fp32 registers a thread) beside the score,
-#   dP and dQ tiles leave the loop's scalars and addresses in local memory (432-648 bytes;
-#   loaded from L1 once a step).  d = 64 spills nothing.
+#   dP and dQ tiles leave the loop's scalars and addresses in local memory (136-228 bytes in
+#   the default configuration, 432-648 with the atomics of the ``dq_tma=0+dq_lag=0``
+#   alternative; loaded from L1 once a step).  d = 64 spills nothing.
 SPILL_STORE_BUDGET = {("forward", 64): 32, ("forward", 128): 32, ("forward", 256): 32,
                       ("backward", 64): 0, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
 
@@ -149,8 +150,8 @@ def variants():
         yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    alternative=alternative)
     # One query row, one key and one query head per key head: Triton's JIT passes the integer
-    # arguments equal to 1 as constants, which fold the query-tile loop to one step (a lowering
-    # of the backward's late dQ GEMM once failed there).
+    # arguments equal to 1 as constants, which fold the query-tile loop to one step (Triton
+    # 3.6 fails to lower the late dQ GEMM's loop when ``group`` is a constant 1 as well).
     for alternative, hd in itertools.product(("",) + bwd.ALTERNATIVES, HEAD_DIMS["backward"]):
         yield dict(kernel="backward", hd=hd, causal=False, window=False, varlen=False, dtype="bf16",
                    alternative=alternative, **{name: 1 for name in ONE_ROW_CONSTANTS})
