@@ -456,5 +456,7 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
             DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
             num_warps=4, maxnreg=cfg.maxnreg,
         )
-    dq = (dq_acc[..., :d] * softmax_scale).to(q.dtype)
+    # Scaled and rounded to dQ's dtype in one pass, with no fp32 temporary beside the workspace.
+    dq = torch.empty((*q.shape[:-1], d), dtype=q.dtype, device=q.device)
+    torch.mul(dq_acc[..., :d], softmax_scale, out=dq)
     return dq, dk, dv
