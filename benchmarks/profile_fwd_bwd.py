@@ -18,14 +18,13 @@ or a synchronisation), and each kernel's count and device time.  One JSON object
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashtile
-from flashtile.bench.common import environment
+from flashtile.bench.common import environment, write_jsonl
 from flashtile.kernels.engine import ENGINE_ENV
 
 STEPS = 5
@@ -92,9 +91,7 @@ def main():
                     for name, x in list(rec["kernels"].items())[:8]:
                         print(f"    {x['device_us']:8.1f} us  x{x['count']:4.1f}  {name[:90]}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(args.out, records)
 
 
 if __name__ == "__main__":
