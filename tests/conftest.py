@@ -6,6 +6,8 @@
 * Torch runs single-threaded unless ``OMP_NUM_THREADS`` is set (see below).
 * Tests marked ``gpu`` are skipped when CUDA is not available (the markers themselves are
   declared in ``pyproject.toml``).
+* After a test, a CUDA cache above 8 GiB is emptied, so that parallel GPU runs do not run
+  out of memory beside one test's leftovers.
 * ``tests/`` has no ``__init__.py``; its directory is put on ``sys.path`` so that every test
   module, in any sub-directory, can ``import helpers``.
 """
@@ -40,3 +42,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# A test that leaves many GiB in PyTorch's caching allocator would keep them from the other
+# workers of a parallel GPU run (pytest -n): past this much reserved memory it is handed back.
+CUDA_CACHE_RETURN_BYTES = 8 << 30
+
+
+@pytest.fixture(autouse=True)
+def _return_large_cuda_caches():
+    yield
+    if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > CUDA_CACHE_RETURN_BYTES:
+        torch.cuda.empty_cache()
