@@ -2,7 +2,7 @@
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
 #   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax
-#                                                 hopper alternatives consan profile_bwd parity_tests features generate few_rows decode decode_host decode_iam
+#                                                 hopper alternatives consan profile_bwd deterministic memory host training parity_tests features generate few_rows decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -59,6 +59,12 @@ for part in $parts; do
     consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py ;;
     profile_bwd) run profile_fwd_bwd 150 python3 benchmarks/profile_fwd_bwd.py --seqlens 512 1024 2048 16384 --causal 0 1 \
                    --out "$RES/profile_fwd_bwd.jsonl" ;;  # kernels and idle time of one forward + backward
+    host) run host_fwd_bwd 120 python3 benchmarks/profile_host_fwd_bwd.py --out "$RES/host_fwd_bwd.jsonl" ;;  # host us per call
+    training) run training 240 python3 -m flashtile.bench.gpu --out "$RES/training" --compare flashtile_triton,sdpa_cudnn \
+                --headdims 64 128 --modes fwd_bwd --no-memory ;;  # the standard benchmark's forward + backward rows
+    deterministic) run deterministic 200 python3 benchmarks/bench_deterministic.py --out "$RES/deterministic.jsonl" ;;
+    memory) run memory 120 python3 -m flashtile.bench.gpu --out "$RES/memory" --compare flashtile_triton,sdpa_cudnn \
+              --headdims 128 --seqlens 16384 --modes fwd ;;  # peak extra memory of fwd+bwd, N = 1k-32k
     parity_tests) run parity_tests 240 python3 -m pytest tests/test_kvcache_rotary.py tests/test_kvcache_leftpad.py \
                     tests/test_varlen_paged.py tests/kernels/test_varlen_bounds.py tests/test_rotary.py tests/test_packed.py \
                     -q -p no:cacheprovider -p no:warnings ;;  # unmarked kernel tests run on CUDA too

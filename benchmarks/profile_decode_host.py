@@ -161,21 +161,14 @@ def func_cases(batch, seqlen, nheads, d, dtype):
 
 def plot(records, path):
     """Host microseconds per call, one bar per case, flashtile's bars beside the peers'."""
-    from flashtile.bench.common import save_figure, subplots
+    from flashtile.bench.common import plot_host_us
 
     rows = [r for r in records if r.get("us") is not None]
     labels = [f"{r['mode']} {r['layout']} {r['lengths']} {r['impl']}" for r in rows]
     colors = ["C0" if r["impl"] == "flashtile" else "C7" if r["impl"] == "flashtile_ordinary" else "C1" for r in rows]
-    fig, ax = subplots(figsize=(9, 0.28 * len(rows) + 1.2))
-    ax.barh(range(len(rows)), [r["us"] for r in rows], color=colors)
-    ax.set_yticks(range(len(rows)), labels, fontsize=7)
-    ax.invert_yaxis()
-    for i, r in enumerate(rows):
-        ax.text(r["us"], i, f" {r['us']:.0f}", va="center", fontsize=7)
-    ax.set_xlabel("host us per call (GPU idle-bound)")
-    ax.set_title(f"Host time per call: decode step (batch {rows[0]['batch']}, cache {rows[0]['seqlen_k']}) and a tiny "
-                 f"flash_attn_func, {rows[0]['device']}", fontsize=8)
-    save_figure(fig, path)
+    plot_host_us(labels, [r["us"] for r in rows], colors,
+                 f"Host time per call: decode step (batch {rows[0]['batch']}, cache {rows[0]['seqlen_k']}) and a tiny "
+                 f"flash_attn_func, {rows[0]['device']}", path)
 
 
 def main():

@@ -69,9 +69,12 @@ def flash_attn_func(
     if params.dropout_p > 0:
         params = params.with_rng(*next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1]
                                                    * counters_per_row(k.shape[1])))
-    if _ops.eager_forward_ok(q, k, v, alibi_slopes):
-        # Nothing records autograd or traces: the launcher directly, without the op's dispatch.
-        out, lse = _ops.eager_forward(q, k, v, params, checked)
+    if _ops.eager_ok(q, k, v, alibi_slopes):
+        # Nothing traces: the launchers directly, without the ops' dispatch.
+        if _ops.records_autograd(q, k, v):
+            out, lse = _ops.EagerAttention.apply(q, k, v, params, checked)
+        else:
+            out, lse = _ops.eager_forward(q, k, v, params, checked)
     else:
         out, lse = _ops.forward(q, k, v, params)
     return (out, lse) if return_lse else out

@@ -199,6 +199,47 @@ def test_kept_plans_go_stale_with_the_cache(monkeypatch):
     assert list(forward.plans.values()) == [memo.plan]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case", ["plain", "causal", "window", "gqa", "softcap", "fp16", "deterministic",
+                                  "strided", "alibi", "dropout", "padded"])
+def test_planned_backward_equals_the_general_path(case):
+    from flashtile.kernels.attention import backward, forward
+    from flashtile.kernels.attention.layout import Layout
+
+    q, k, v = _qkv(dtype=torch.float16 if case == "fp16" else torch.float32)
+    params = {
+        "causal": AttentionParams.causal(0.3),
+        "window": AttentionParams(0.3, window_left=7, window_right=3),
+        "softcap": AttentionParams(0.3, softcap=2.0),
+        "deterministic": AttentionParams(0.3, deterministic=True),
+        "alibi": AttentionParams(0.3, alibi_slopes=torch.rand(4) * 0.3),
+        "dropout": AttentionParams(0.3, dropout_p=0.25, seed=11, offset=5),
+    }.get(case, AttentionParams(0.3))
+    if case == "gqa":
+        k, v = k[:, :, :1], v[:, :, :1]
+    elif case == "strided":
+        q = torch.randn(2, 40, 8, 32)[:, :, ::2]  # strided heads: TMA-ready as it is
+    elif case == "padded":
+        q, k, v = _qkv(shape_q=(1, 20, 2, 40), shape_k=(1, 20, 2, 40))  # head dim 40: padded to 64
+    out, lse = forward.fwd(q, k, v, params)
+    dout = torch.randn_like(out)
+    backward.clear_plans()
+    backward.bwd(dout, q, k, v, out, lse, params)  # a key's first call goes the general way; the second plans
+    got = backward.bwd(dout, q, k, v, out, lse, params)
+    plannable = case not in ("alibi", "dropout", "padded")
+    assert len(backward.plans) == (case != "alibi" and case != "dropout")
+    assert any(plan is not backward.NO_PLAN for plan in backward.plans.values()) == plannable
+    want = backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(g, w), name
+    # A base off the 16-byte grid in one call: that call goes the general way.
+    buf = torch.empty(dout.numel() + 1, dtype=dout.dtype)
+    shifted = buf[1:].view(dout.shape).copy_(dout)
+    assert shifted.stride() == dout.stride() and shifted.data_ptr() % 16
+    for g, w in zip(backward.bwd(shifted, q, k, v, out, lse, params), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------------------
 # On a stubbed GPU (benchmarks/profile_host_cpu.py): the plans launch what the general path
 # launches, for both engines
@@ -235,10 +276,9 @@ def stubbed(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import profile_host_cpu
 
-    from flashtile.kernels.attention import forward
-    from flashtile.kernels.hopper import attention_fwd
-
     from flashtile.kernels import launch as launch_mod
+    from flashtile.kernels.attention import backward, forward
+    from flashtile.kernels.hopper import attention_bwd, attention_fwd
 
     launches, inputs = [], {}
 
@@ -249,14 +289,16 @@ def stubbed(monkeypatch):
     def recording(kernel, grid, args, options, dynamic=()):
         launches.append((kernel.fn.__name__, grid, _describe(args, inputs), sorted(options.items())))
 
-    monkeypatch.setattr(forward, "launch", recording)
-    monkeypatch.setattr(attention_fwd, "launch", recording)
+    for module in (forward, attention_fwd, backward, attention_bwd):
+        monkeypatch.setattr(module, "launch", recording)
     monkeypatch.setattr(launch_mod.BoundLaunch, "__call__",
                         lambda self, head: recording(self.kernel, self.grid, self.arguments(head), self.options))
     forward.clear_plans()
+    backward.clear_plans()
     with profile_host_cpu.stubbed_gpu():
         yield launches, inputs
     forward.clear_plans()
+    backward.clear_plans()
     interface._checked.clear()
 
 
@@ -293,6 +335,39 @@ def test_stubbed_plans_launch_what_the_general_path_launches(stubbed, monkeypatc
     assert planned == again == general
     gluon = engine == "auto" and d > 64 and case in ("full", "causal", "window")
     assert (planned[0] == "attention_fwd_kernel") == gluon
+
+
+@in_child
+@pytest.mark.parametrize("engine", ["auto", "triton"])
+@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("case", ["full", "causal", "window", "softcap", "deterministic"])
+def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, engine, d, gqa, case):
+    from flashtile.kernels.attention import backward
+    from flashtile.kernels.attention.layout import Layout
+
+    launches, inputs = stubbed
+    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
+    q, k, v = _qkv((2, 130, 4, d), (2, 300, 2 if gqa else 4, d), dtype=torch.bfloat16)
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(2, 4, 130)
+    params = dict(_STUB_PARAMS, deterministic=AttentionParams(0.125, deterministic=True))[case]
+    inputs.update({t.data_ptr(): name for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"),
+                                                     (lse, "lse"))})
+    backward.bwd(dout, q, k, v, out, lse, params)  # the key's first call: the general way
+    backward.bwd(dout, q, k, v, out, lse, params)  # builds the plan, launches from it
+    backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
+    assert len(backward.plans) == 1 and next(iter(backward.plans.values())) is not backward.NO_PLAN
+    n = len(launches) // 3
+    first, planned, general = launches[:n], launches[n:2 * n], launches[2 * n:]
+    assert first == planned == general and len(launches) == 3 * n
+    gluon = engine == "auto" and d > 64 and case != "softcap"
+    expected = ["_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+    if gluon:  # deterministic: dK and dV on the Gluon kernel, dQ on the tl.* one
+        expected = ["_bwd_preprocess", "attention_bwd_kernel"] + (["_attn_bwd_dq"] if case == "deterministic" else [])
+    assert [name for name, *_ in planned] == expected
+    if gluon:
+        with_dq = dict(planned[1][3])["WITH_DQ"]
+        assert with_dq == (case != "deterministic")
 
 
 @in_child
@@ -416,3 +491,42 @@ def test_stubbed_planned_calls_pass_the_c_launcher_what_tritons_launcher_passes(
     want = _describe(raw[-1], inputs)
     assert all(_describe(r, inputs) == want for r in raw[:-1])
     assert any(isinstance(a, tuple) and a[:2] == ("map", "q") for a in raw[-1])
+
+
+# --------------------------------------------------------------------------------------
+# On the GPU: the eager autograd path and the backward's plans give the ops' gradients
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_eager_autograd_gives_the_ops_gradients(monkeypatch, d, causal, deterministic):
+    from flashtile.kernels.attention import backward
+    from flashtile.ops import attention as ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 300, 4, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 333, 2, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def grads():
+        out = flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        assert (type(out.grad_fn).__name__ == "EagerAttentionBackward") == (ops.eager_ok is real_ok)
+        return out, torch.autograd.grad(out, (q, k, v), dout)
+
+    real_ok = ops.eager_ok
+    backward.clear_plans()
+    eager = [grads() for _ in range(3)]  # the general way, then the backward's plan
+    assert len(backward.plans) == 1 and next(iter(backward.plans.values())) is not backward.NO_PLAN
+    monkeypatch.setattr(ops, "eager_ok", lambda *args: False)
+    out_op, grads_op = grads()
+    for out, got in eager:
+        assert torch.equal(out, out_op)
+        for name, a, b in zip(("dq", "dk", "dv"), got, grads_op):
+            if deterministic or name != "dq":
+                assert torch.equal(a, b), name
+            else:  # the Gluon backward adds dQ in no fixed order
+                torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3)

@@ -23,7 +23,7 @@ def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
     summary = run_stubbed_tests_in_child(__file__)
-    assert "8 passed, 1 skipped" in summary, summary
+    assert "9 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -177,8 +177,34 @@ def test_tiny_forward_skips_the_custom_op_only_when_nothing_needs_it(stub, monke
     # Descriptors and tuples are classified: the first call of the launch class is Triton's
     # ordinary launch, the plan's launcher (built at the second call) may take one more.
     assert stub["ordinary"] in (1, 2) and stub["ordinary"] + stub["direct"] == 3
-    flashtile.flash_attn_func(q, k.requires_grad_(), v)
+    with PassThrough():
+        flashtile.flash_attn_func(q, k, v)
     assert len(calls) == 1
+
+
+@in_child
+def test_a_call_recording_autograd_skips_both_ops_only_when_nothing_needs_them(stub, monkeypatch):
+    q, k, v = (torch.randn(1, 128, 8, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    assert ops.eager_ok(q, k, v, None) and ops.records_autograd(q, k, v)
+    assert not ops.eager_ok(q, k, v, torch.rand(8, requires_grad=True))  # the op's autograd decides for the slopes
+    calls = []
+    monkeypatch.setattr(ops, "attention_forward", lambda *a: calls.append("forward op"))
+    monkeypatch.setattr(ops, "attention_backward", lambda *a: calls.append("backward op"))
+    saved = []
+    for _ in range(3):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert type(out.grad_fn).__name__ == "EagerAttentionBackward" and lse.grad_fn is out.grad_fn
+        out.backward(torch.ones_like(out))
+    assert not calls and all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+    assert len(saved) == 3 * 5  # q, k, v, out and lse, through the hooks
+    # Only the LSE in the loss: the backward gets a zero output gradient.
+    _, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
+    lse.sum().backward()
+    assert not calls
+    with torch.no_grad():
+        flashtile.flash_attn_func(q, k, v)
+    assert not calls  # nothing records autograd: the forward launcher alone
 
 
 @in_child

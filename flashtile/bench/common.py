@@ -309,15 +309,33 @@ def save_figure(fig, path, dpi: int = 110) -> None:
     plt.close(fig)
 
 
+def plot_host_us(labels, us, colors, title: str, path) -> None:
+    """One horizontal bar of host microseconds per call for each case, labelled."""
+    fig, ax = subplots(figsize=(9, 0.27 * len(us) + 1.2))
+    ax.barh(range(len(us)), us, color=colors)
+    ax.set_yticks(range(len(us)), labels, fontsize=7)
+    ax.invert_yaxis()
+    for i, x in enumerate(us):
+        ax.text(x, i, f" {x:.0f}", va="center", fontsize=7)
+    ax.set_xlabel("host us per call (GPU idle-bound)")
+    ax.set_title(title, fontsize=8)
+    save_figure(fig, path)
+
+
 def save_results(records, out_dir, name: str, print_table, plot) -> None:
     """Append ``records`` to ``out_dir/name.jsonl``, print the table, draw ``out_dir/name.png``."""
-    out_dir = Path(out_dir)
-    jsonl = write_jsonl(out_dir / f"{name}.jsonl", records)
     print_table(records)
+    save_records(records, Path(out_dir) / f"{name}.jsonl", plot)
+
+
+def save_records(records, path, plot) -> None:
+    """Append ``records`` to ``path`` (a ``.jsonl``) and draw ``plot(records, png)`` beside it."""
+    jsonl = write_jsonl(path, records)
     print(f"{len(records)} records appended to {jsonl}")
+    png = jsonl.with_suffix(".png")
     try:
-        plot(records, out_dir / f"{name}.png")
+        plot(records, png)
     except ImportError:
         print("matplotlib not installed: no plot")
     else:
-        print(f"plot: {out_dir / f'{name}.png'}")
+        print(f"plot: {png}")

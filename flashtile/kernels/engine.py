@@ -12,9 +12,9 @@ Two engines compute the same attention on CUDA tensors:
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
-The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi, not
-``deterministic``), which ``auto`` takes where it can run the call from head dim 65, as for
-the forward (``backward_engine``).
+The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi), which
+``auto`` takes where it can run the call from head dim 65, as for the forward
+(``backward_engine``).
 The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
 the ``tl.*`` one (``fp8_forward_engine``).
 
@@ -144,21 +144,17 @@ def split_kv_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout=
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and requested_engine() == "auto")
 
 
-def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes,
-                          deterministic: bool) -> str | None:
+def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes) -> str | None:
     """Why the Gluon backward cannot take this call, or None when it can."""
     reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes)
     if reason:
         return reason.replace("Gluon forward", "Gluon backward")
     if q.shape[-1] > GLUON_BACKWARD_MAX_HEADDIM:
         return f"head dim {q.shape[-1]} (the Gluon backward takes up to {GLUON_BACKWARD_MAX_HEADDIM})"
-    if deterministic:
-        return "deterministic=True (the Gluon backward adds dQ in no fixed order)"
     return None
 
 
-def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
-                    deterministic: bool = False) -> str:
+def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None) -> str:
     """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device.
 
     ``auto`` takes the Gluon backward where it can run the call, for the forward's head dims
@@ -167,13 +163,14 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     both are far below cuDNN), while at d = 64 the two were within -10 % / +13 % of each other
     with no consistent winner below N = 8k (docs/tuning.md).
     Like flash-attn's, it adds dQ in no fixed order, so gradients are not bitwise
-    reproducible; ``deterministic=True`` keeps the ``tl.*`` backward, whose dQ kernel owns its
-    rows.  ``triton`` / ``gluon`` force one.
+    reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
+    its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ.
+    ``triton`` / ``gluon`` force one.
     """
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
-    reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes, deterministic)
+    reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes)
     if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_AUTO_MIN_HEADDIM):
         return "gluon"
     if wanted == "gluon":

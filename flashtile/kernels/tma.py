@@ -14,16 +14,22 @@ def padded_headdim(d: int) -> int:
     return max(16, next_power_of_2(d))
 
 
+def tma_strides(t: torch.Tensor) -> bool:
+    """Whether :func:`tma_ready` passes ``t`` through uncopied, the alignment of its base aside
+    (what a launch plan's key fixes; the base is tested per call)."""
+    elt = t.element_size()
+    return t.stride(-1) == 1 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
+
+
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
 
     Tensors from ordinary allocations with headdim a multiple of 8 (fp16/bf16) already
     qualify; anything else is copied once into a padded, contiguous buffer.
     """
-    elt = t.element_size()
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
-    if ok:
+    if t.data_ptr() % 16 == 0 and tma_strides(t):
         return t
+    elt = t.element_size()
     d = t.shape[-1]
     d_pad = -(-d * elt // 16) * 16 // elt
     return torch.nn.functional.pad(t, (0, d_pad - d)).contiguous()

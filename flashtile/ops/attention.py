@@ -58,24 +58,37 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
     return attention_forward(q, k, v, *params.op_args())
 
 
-def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes) -> bool:
-    """Whether ``attention_forward`` may be skipped for a direct call of the GPU kernels'
-    launcher: the custom op's dispatch (autograd key, redispatch, alias checks) costs tens of
-    microseconds of host time per call, which a tiny forward does not hide.
+def eager_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes) -> bool:
+    """Whether a call may skip ``attention_forward`` (and its autograd's ``attention_backward``)
+    for direct calls of the GPU kernels' launchers: the custom ops' dispatch (autograd key,
+    redispatch, default filling, alias checks) costs tens of microseconds of host time per
+    call, which a tiny forward, or a forward and backward at small N, does not hide.
 
-    Only where the op would do nothing but call the same launcher: plain CUDA tensors (no
-    subclass, no fake or functorch-wrapped tensor), nothing recording autograd (grad mode off,
-    or no input requiring grad), and no tracing, torch-function or dispatch mode, functorch
-    transform (vmap, grad) or ``torch.compile`` in progress, each of which needs the op."""
+    Only where the ops would do nothing but call the same launchers: plain CUDA tensors (no
+    subclass, no fake or functorch-wrapped tensor), ALiBi slopes that need no gradient, and no
+    tracing, torch-function or dispatch mode, functorch transform (vmap, grad) or
+    ``torch.compile`` in progress, each of which needs the ops.  Then a call that records
+    autograd runs :class:`EagerAttention` (:func:`records_autograd`), any other
+    :func:`eager_forward`."""
+    # is_compiling() first: while Dynamo traces, it is all Dynamo evaluates of this test (the
+    # mode queries below are C functions it cannot trace).
+    if torch.compiler.is_compiling():
+        return False
     if not (q.is_cuda and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor):
         return False
-    if _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                               or (alibi_slopes is not None and alibi_slopes.requires_grad)):
+    if alibi_slopes is not None and (alibi_slopes.__class__ is not _Tensor or alibi_slopes.requires_grad):
         return False
-    if alibi_slopes is not None and alibi_slopes.__class__ is not _Tensor:
-        return False
-    return not (_function_mode_enabled() or _dispatch_stack_depth() or _functorch_transforms_active()
-                or torch.compiler.is_compiling())
+    return not (_function_mode_enabled() or _dispatch_stack_depth() or _functorch_transforms_active())
+
+
+def records_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call records autograd: grad mode on and an input requiring grad."""
+    return _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes) -> bool:
+    """Whether a call may run :func:`eager_forward`: :func:`eager_ok`, and nothing recording autograd."""
+    return eager_ok(q, k, v, alibi_slopes) and not records_autograd(q, k, v)
 
 
 # The state queries above, looked up once (C functions of torch's, read at every eager call).
@@ -118,6 +131,31 @@ def eager_forward(q, k, v, params: AttentionParams, memo=None):
             if result is not None:
                 return result
     return forward.fwd(q, k, v, params)
+
+
+class EagerAttention(torch.autograd.Function):
+    """``attention_forward`` with its autograd for an eager call that records autograd
+    (:func:`eager_ok`): the same launchers, the same saved tensors and the same backward as the
+    op's registered autograd, called directly.  Not differentiable twice, like the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, params: AttentionParams, memo):
+        out, lse = eager_forward(q, k, v, params, memo)
+        ctx.save_for_backward(q, k, v, out, lse, params.alibi_slopes)
+        ctx.params = params.with_alibi(None)
+        ctx.set_materialize_grads(False)  # an unused LSE costs nothing in the backward
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+        if dout is None:  # a loss of the LSE alone
+            dout = torch.zeros_like(out)
+        from flashtile.kernels import attention as kernels
+
+        dq, dk, dv = kernels.bwd(dout.contiguous(), q, k, v, out, lse, ctx.params.with_alibi(alibi_slopes), dlse=dlse)
+        return dq, dk, dv, None, None
 
 
 @attention_forward.register_fake

@@ -56,7 +56,6 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.backward_engine(make(96), make(96)) == "gluon"
     assert engine.backward_engine(make(64), make(64)) == "triton"  # the forward's head-dim rule
     assert engine.backward_engine(make(256), make(256)) == "triton"  # past the Gluon backward's head dims
-    assert engine.backward_engine(make(128), make(128), deterministic=True) == "triton"
     assert engine.backward_engine(make(128), make(128), softcap=5.0) == "triton"
 
 
@@ -70,8 +69,6 @@ def test_forced_gluon_backward_rule_on_hopper(monkeypatch):
     assert engine.backward_engine(make(64), make(64)) == "gluon"
     with pytest.raises(NotImplementedError, match="head dim 256"):
         engine.backward_engine(make(256), make(256))
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        engine.backward_engine(make(128), make(128), deterministic=True)
 
 
 def test_fp8_takes_the_tl_kernel_unless_gluon_is_forced(monkeypatch):

@@ -11,11 +11,14 @@
 
 Like the forward, each pass walks its tiles in up to three runs (``query_tiles`` /
 ``key_tiles``) so that only the edge tiles pay for the mask.  On Hopper, where
-``engine.backward_engine`` picks it (head dims 65-128, not ``deterministic``), steps 2 and 3
-run as the Gluon kernel of ``flashtile/kernels/hopper/attention_bwd.py`` instead.
+``engine.backward_engine`` picks it (head dims 65-128), steps 2 and 3 run as the Gluon kernel
+of ``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
+and step 3 as here).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
@@ -23,12 +26,13 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import backward_engine
+from flashtile.kernels.engine import backward_engine, engine_setting
+from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import key_tiles, query_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
-from flashtile.kernels.tma import padded_headdim
+from flashtile.kernels.tma import DescriptorTemplate, padded_headdim, tma_strides
 from flashtile.semantics.params import AttentionParams
 
 
@@ -260,76 +264,236 @@ def bwd_config(head_dim_pad: int, dtype: torch.dtype, causal: bool) -> tuple[Til
     return TileConfig(64, 64, 8, 2), TileConfig(128, 64, 8, 2)
 
 
+def _preprocess_launch(layout, out, dout, lse, dlse, delta, lse2, d):
+    """``(kernel, grid, args, options)`` of the preprocess (delta and the LSE in log2 units)."""
+    hd = padded_headdim(d)
+    pre_m = 64 if not INTERPRET else 16
+    cu_q, _, stride_lb, stride_lh = layout.seq_args(lse)
+    # Packed tensors have no batch dimension: batch stride 0, rows offset by cu_seqlens.
+    o_strides = (0, out.stride(0), out.stride(1)) if layout.varlen else (out.stride(0), out.stride(1), out.stride(2))
+    do_strides = (0, dout.stride(0), dout.stride(1)) if layout.varlen else (dout.stride(0), dout.stride(1), dout.stride(2))
+    args = (out, dout, dlse if dlse is not None else lse, lse, delta, lse2, cu_q, stride_lb, stride_lh,
+            *o_strides, *do_strides, layout.rows_q, layout.seqlen_q, layout.nheads, d)
+    options = dict(HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd)
+    return _bwd_preprocess, (cdiv(layout.seqlen_q, pre_m) * layout.batch * layout.nheads,), args, options
+
+
+def _gradient_args(layout, q_, lse, params: AttentionParams):
+    """What the ``tl.*`` dK/dV and dQ kernels share: ``(ALiBi tensor and stride, the cu_seqlens
+    and LSE strides, the scalars, the constexprs)``."""
+    hd = padded_headdim(q_.shape[-1])
+    mods = score_mod_args(params.softmax_scale, params.softcap, params.alibi_slopes, lse)
+    drop = dropout_args(params.dropout)
+    window_left, window_right = params.window_left, params.window_right
+    common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
+                  DOT_PRECISION=dot_precision(q_.dtype), HEAD_DIM=hd, VARLEN=layout.varlen,
+                  HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"])
+    scalars = (params.softmax_scale * LOG2E, params.softmax_scale, window_left, window_right,
+               mods["softcap_scale"], mods["softcap_log2"], drop["dropout_p"], drop["seed"], drop["rng_offset"],
+               layout.rng_cols)
+    return (mods["alibi"], mods["stride_ab"]), layout.seq_args(lse), scalars, common
+
+
+def _dkdv_launch(layout, q_, k_, v_, do_, dk_, dv_, lse2, delta, lse, params: AttentionParams, cfg):
+    """``(kernel, grid, args, options)`` of the ``tl.*`` dK/dV kernel."""
+    hd = padded_headdim(q_.shape[-1])
+    alibi, seq, scalars, common = _gradient_args(layout, q_, lse, params)
+    tiles = layout.tiles
+    return _attn_bwd_dkdv, (cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k,), (
+        tiles(q_, cfg.block_m, hd), tiles(k_, cfg.block_n, hd), tiles(v_, cfg.block_n, hd),
+        tiles(do_, cfg.block_m, hd), tiles(dk_, cfg.block_n, hd), tiles(dv_, cfg.block_n, hd), dk_, dv_,
+        lse2, delta, *alibi, *seq,
+        layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, *scalars,
+    ), dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params: AttentionParams, cfg):
+    """``(kernel, grid, args, options)`` of the ``tl.*`` dQ kernel."""
+    hd = padded_headdim(q_.shape[-1])
+    alibi, seq, scalars, common = _gradient_args(layout, q_, lse, params)
+    tiles = layout.tiles
+    return _attn_bwd_dq, (cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads,), (
+        tiles(q_, cfg.block_m, hd), tiles(k_, cfg.block_n, hd), tiles(v_, cfg.block_n, hd),
+        tiles(do_, cfg.block_m, hd), tiles(dq_, cfg.block_m, hd), dq_,
+        lse2, delta, *alibi, *seq,
+        layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, *scalars,
+    ), dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, configs):
-    softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
-    softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
     d = q.shape[-1]
     hd = padded_headdim(d)
-    cfg_kv, cfg_q = configs or bwd_config(hd, q.dtype, window_right >= 0)
     q_, k_, v_, do_ = (layout.prepare(t) for t in (q, k, v, dout))
-    nheads, nheads_k, batch = layout.nheads, layout.nheads_k, layout.batch
     # The kernels address LSE-shaped tensors with the layout's contiguous strides; a view
     # (ring attention passes the back half of each row's LSE) is copied first.
     lse = lse.contiguous()
     dlse = dlse.contiguous() if dlse is not None else None
-    seq = layout.seq_args(lse)
-
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
-    pre_m = 64 if not INTERPRET else 16
-    # Packed tensors have no batch dimension: batch stride 0, rows offset by cu_seqlens.
-    o_strides = (0, out.stride(0), out.stride(1)) if layout.varlen else (out.stride(0), out.stride(1), out.stride(2))
-    do_strides = (0, dout.stride(0), dout.stride(1)) if layout.varlen else (dout.stride(0), dout.stride(1), dout.stride(2))
-    _bwd_preprocess[(cdiv(layout.seqlen_q, pre_m) * batch * nheads,)](
-        out, dout, dlse if dlse is not None else lse, lse, delta, lse2, seq[0], seq[2], seq[3],
-        *o_strides, *do_strides, layout.rows_q, layout.seqlen_q, nheads, d,
-        HAS_DLSE=dlse is not None, VARLEN=layout.varlen, BLOCK_M=pre_m, HEAD_DIM=hd,
-    )
-    if configs is None and backward_engine(q, k, dropout, softcap, alibi_slopes, params.deterministic) == "gluon":
+    # Every launch through the launch layer: after the first call of a class, directly.
+    launch(*_preprocess_launch(layout, out, dout, lse, dlse, delta, lse2, d))
+    if configs is None and backward_engine(q, k, params.dropout, params.softcap, params.alibi_slopes) == "gluon":
         from flashtile.kernels.hopper import attention_bwd
 
-        dq_, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, softmax_scale,
-                                               window_left, window_right)
+        dq_, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
+                                               params.window_left, params.window_right,
+                                               deterministic=params.deterministic)
+        if dq_ is None:  # deterministic: dK and dV alone; dQ from the tl.* kernel, whose programs own their rows
+            dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
+            cfg_q = bwd_config(hd, q.dtype, params.window_right >= 0)[1]
+            launch(*_dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params, cfg_q))
         return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
 
     dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
     dv_ = torch.empty(v_.shape, dtype=v.dtype, device=v.device)
-    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, lse)
-    drop = dropout_args(dropout)
-    common = dict(MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
-                  DOT_PRECISION=dot_precision(q.dtype), HEAD_DIM=hd, VARLEN=layout.varlen,
-                  HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"], HAS_DROPOUT=drop["HAS_DROPOUT"])
-    rng = (drop["dropout_p"], drop["seed"], drop["rng_offset"], layout.rng_cols)
-    group = nheads // nheads_k
-    tiles = layout.tiles
-    _attn_bwd_dkdv[(cdiv(layout.seqlen_k, cfg_kv.block_n) * batch * nheads_k,)](
-        tiles(q_, cfg_kv.block_m, hd), tiles(k_, cfg_kv.block_n, hd), tiles(v_, cfg_kv.block_n, hd),
-        tiles(do_, cfg_kv.block_m, hd), tiles(dk_, cfg_kv.block_n, hd), tiles(dv_, cfg_kv.block_n, hd), dk_, dv_,
-        lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
-        layout.rows_q, layout.rows_k, layout.seqlen_k, nheads_k, group,
-        softmax_scale * LOG2E, softmax_scale, window_left, window_right,
-        mods["softcap_scale"], mods["softcap_log2"], *rng,
-        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
-        num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
-    )
-    _attn_bwd_dq[(cdiv(layout.seqlen_q, cfg_q.block_m) * batch * nheads,)](
-        tiles(q_, cfg_q.block_m, hd), tiles(k_, cfg_q.block_n, hd), tiles(v_, cfg_q.block_n, hd),
-        tiles(do_, cfg_q.block_m, hd), tiles(dq_, cfg_q.block_m, hd), dq_,
-        lse2, delta, mods["alibi"], mods["stride_ab"], *seq,
-        layout.rows_q, layout.rows_k, layout.seqlen_q, nheads, group,
-        softmax_scale * LOG2E, softmax_scale, window_left, window_right,
-        mods["softcap_scale"], mods["softcap_log2"], *rng,
-        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
-        num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
-    )
+    cfg_kv, cfg_q = configs or bwd_config(hd, q.dtype, params.window_right >= 0)
+    launch(*_dkdv_launch(layout, q_, k_, v_, do_, dk_, dv_, lse2, delta, lse, params, cfg_kv))
+    launch(*_dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params, cfg_q))
     return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
 
 
+# --- Launch plans of the dense backward --------------------------------------------------
+# As the forward's (forward.py, where the reasons are spelled out): a training step runs the
+# backward with a handful of shapes, each many times, and everything of its launches but the
+# tensors -- the engine, tiles, grids, constexprs, the int and float arguments, the
+# descriptors' shapes, strides and boxes -- is a function of the shapes, strides, dtypes and
+# devices of dout, q, k, v, out and lse, the call's scalars, the engine setting and the tile
+# configuration functions, so it is worked out once per such key.  A plan takes the calls the
+# general path would run with no copy (TMA-ready strides, a head dim of a power of two, a
+# contiguous LSE), no dropout, ALiBi or LSE gradient; the rest goes the general way.  A key's
+# first call goes the general way and its second builds the plan.
+_MAX_PLANS = 256
+_MAX_SEEN_ONCE = 1024
+plans: dict = {}
+_seen_once: set = set()
+NO_PLAN = object()  # a key whose calls go the general way
+_Tensor = torch.Tensor
+
+
+def clear_plans() -> None:
+    """Forget the backward's launch plans and the keys seen once."""
+    plans.clear()
+    _seen_once.clear()
+
+
+def _config_functions() -> tuple:
+    """The functions that pick the tiles (tests and A/B benchmarks replace them): part of the key."""
+    hopper = sys.modules.get("flashtile.kernels.hopper.attention_bwd")
+    return bwd_config, hopper.config_for if hopper is not None else None
+
+
+
+def _plan_for(dout, q, k, v, out, lse, params: AttentionParams):
+    """The plan of this call (see above), or None: the general path."""
+    tensors = (dout, q, k, v, out, lse)
+    if any(t.__class__ is not _Tensor for t in tensors) or torch.compiler.is_compiling():
+        return None
+    if params.alibi_slopes is not None or params.dropout_p > 0:
+        return None
+    scale, left, right, softcap = params.softmax_scale, params.window_left, params.window_right, params.softcap
+    key = (dout.shape, dout.stride(), q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+           v.shape, v.stride(), v.dtype, out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype,
+           scale, left, right, softcap, params.deterministic, scale.__class__, left.__class__, right.__class__,
+           softcap.__class__, engine_setting(), _config_functions())
+    plan = plans.get(key)
+    if plan is None:
+        if key not in _seen_once:
+            if len(_seen_once) >= _MAX_SEEN_ONCE:
+                _seen_once.clear()
+            _seen_once.add(key)
+            return None
+        _seen_once.discard(key)
+        plan = _dense_plan(dout, q, k, v, out, lse, params) or NO_PLAN
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+    return None if plan is NO_PLAN else plan
+
+
+def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
+    """The launch plan of ``bwd(dout, q, k, v, out, lse, params)``: a function ``(dout, q, k, v,
+    out, lse) -> (dq, dk, dv)``, or None (a call whose bases are not all 16-byte aligned), for
+    tensors with these shapes, strides, dtypes and devices; None when they need the general path."""
+    d = q.shape[-1]
+    if (0 in q.shape or 0 in k.shape or padded_headdim(d) != d or not lse.is_contiguous()
+            or lse.dtype != torch.float32 or not all(map(tma_strides, (q, k, v, dout)))):
+        return None
+    layout = Layout(q, k)
+    device = q.device
+    lse_shape = tuple(lse.shape)
+    sample_delta, sample_lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    kernel, grid, args, options = _preprocess_launch(layout, out, dout, lse, None, sample_delta, sample_lse2, d)
+    # A call passes out, dO, the LSE (also the stand-in of the absent LSE gradient and of the
+    # cu_seqlens), delta and the log2 LSE; the strides and sizes are the plan's.
+    preprocess = bind(kernel, grid, options, args, tail_from=7)
+    dtype = q.dtype
+    shapes = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    cfg_kv, cfg_q = bwd_config(d, dtype, params.window_right >= 0)
+    # Each kernel's descriptors become templates over the call's tensors; a call passes those,
+    # the gradients, the log2 LSE, delta, the LSE (the ALiBi and cu_seqlens stand-ins) and,
+    # between them, the plan's own ALiBi stride.
+    sample_dq = torch.empty(shapes[0], dtype=dtype, device=device)
+    dq_kernel, dq_grid, dq_args, dq_options = _dq_launch(layout, q, k, v, dout, sample_dq, sample_lse2, sample_delta,
+                                                         lse, params, cfg_q)
+    dq = bind(dq_kernel, dq_grid, dq_options, _templates(dq_args, 5), tail_from=12)
+    stride_ab = dq_args[9]
+    gluon = backward_engine(q, k, None, params.softcap, None) == "gluon"
+    if gluon:
+        from flashtile.kernels.hopper import attention_bwd
+
+        gluon_gradients = attention_bwd.dense_plan(layout, q, k, v, dout, sample_lse2, sample_delta,
+                                                   params.softmax_scale, params.window_left, params.window_right,
+                                                   params.deterministic)
+
+        def gradients(q, k, v, dout, lse2, delta, lse):
+            dq_, dk_, dv_ = gluon_gradients(q, k, v, dout, lse2, delta)
+            if dq_ is None:  # deterministic: dQ from the tl.* kernel, as the general path
+                dq_ = torch.empty(*shapes[0], dtype=dtype, device=device)
+                dq((q, k, v, dout, dq_, dq_, lse2, delta, lse, stride_ab, lse, lse))
+            return dq_, dk_, dv_
+    else:
+        samples = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes[1:]]
+        dkdv_kernel, dkdv_grid, dkdv_args, dkdv_options = _dkdv_launch(layout, q, k, v, dout, *samples, sample_lse2,
+                                                                       sample_delta, lse, params, cfg_kv)
+        dkdv = bind(dkdv_kernel, dkdv_grid, dkdv_options, _templates(dkdv_args, 6), tail_from=14)
+        dkdv_stride_ab = dkdv_args[11]
+
+        def gradients(q, k, v, dout, lse2, delta, lse):
+            dq_, dk_, dv_ = (torch.empty(*shape, dtype=dtype, device=device) for shape in shapes)
+            dkdv((q, k, v, dout, dk_, dv_, dk_, dv_, lse2, delta, lse, dkdv_stride_ab, lse, lse))
+            dq((q, k, v, dout, dq_, dq_, lse2, delta, lse, stride_ab, lse, lse))
+            return dq_, dk_, dv_
+
+    def run(dout, q, k, v, out, lse):
+        # The key fixed everything but the bases; TMA needs them 16-byte aligned.
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15:
+            return None
+        delta = torch.empty(*lse_shape, dtype=torch.float32, device=device)
+        lse2 = torch.empty(*lse_shape, dtype=torch.float32, device=device)
+        preprocess((out, dout, lse, lse, delta, lse2, lse))
+        return gradients(q, k, v, dout, lse2, delta, lse)
+
+    return run
+
+
+def _templates(args: tuple, n: int) -> tuple:
+    """``args`` with its first ``n`` (descriptors) turned into templates (``DescriptorTemplate``)."""
+    return tuple(DescriptorTemplate(a) if i < n else a for i, a in enumerate(args))
+
+
 def bwd(dout, q, k, v, out, lse, params: AttentionParams, dlse=None, configs=None):
-    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added in no fixed order) or the
-    ``tl.*`` dK/dV and dQ kernels (no atomics: bitwise reproducible), the latter always when
-    ``params.deterministic`` or ``configs`` (``(dK/dV config, dQ config)``, replacing :func:`bwd_config`'s)."""
+    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added in no fixed order; with
+    ``params.deterministic``, dK and dV alone and dQ from the ``tl.*`` dQ kernel) or the ``tl.*``
+    dK/dV and dQ kernels (no atomics: bitwise reproducible), the latter always with ``configs``
+    (``(dK/dV config, dQ config)``, replacing :func:`bwd_config`'s).
+    Without ``dlse`` or ``configs``, the launches come from the plan of the call's key where there is one."""
+    if dlse is None and configs is None:
+        plan = _plan_for(dout, q, k, v, out, lse, params)
+        if plan is not None:
+            result = plan(dout, q, k, v, out, lse)
+            if result is not None:
+                return result
     return _backward(Layout(q, k), dout, q, k, v, out, lse, params, dlse, configs)
 
 

@@ -31,7 +31,7 @@ from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, online_max, score_mod, score_mod_args
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
-from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
+from flashtile.kernels.tma import DescriptorTemplate, padded_headdim, tma_strides
 from flashtile.semantics.params import AttentionParams
 
 
@@ -289,11 +289,6 @@ def clear_plans() -> None:
     _seen_once.clear()
 
 
-def _tma_strides(t) -> bool:
-    """``tma_ready`` would pass ``t`` through uncopied, alignment of its base aside."""
-    elt = t.element_size()
-    return t.stride(-1) == 1 and all((s * elt) % 16 == 0 for s in t.stride()[:-1])
-
 
 def _split_kv_plan(q, k, v, params: AttentionParams):
     """The launch plan of a dense forward on the split-KV decode kernel (``engine.split_kv_forward``
@@ -327,7 +322,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
     softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
     if split_kv_forward(q, k, v, dropout):
         return _split_kv_plan(q, k, v, params)
-    if not (_tma_strides(q) and _tma_strides(k) and _tma_strides(v)):
+    if not (tma_strides(q) and tma_strides(k) and tma_strides(v)):
         return None
     if forward_engine(q, k, dropout, softcap, alibi_slopes) == "gluon":
         from flashtile.kernels.hopper import attention_fwd

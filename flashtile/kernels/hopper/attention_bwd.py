@@ -26,6 +26,11 @@ so a consumer waits for the other one's dS of the step before (already written, 
 is a whole step behind) instead of meeting it at every step; ``dk_smem`` reads dK's dS
 operand from the shared tile instead of registers.
 
+A ``deterministic=True`` call runs the kernel without dQ (``with_dq=False``,
+``deterministic_config``): the consumers compute dK and dV alone, never waiting for each
+other, and dQ comes from the ``tl.*`` dQ kernel, whose programs own their rows, so no sum
+depends on the order in which programs finish.
+
 ``delta = rowsum(dO * O)`` and the LSE in log2 units (``+inf`` for rows with no visible key, so
 their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and the dQ
 workspace is scaled and cast by the caller.  Masks and tile ranges are flashtile's
@@ -51,10 +56,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.attention_fwd import descriptor
 from flashtile.kernels.hopper.tma_reduce import async_reduce_add
+from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask, query_tiles
 from flashtile.kernels.runtime import cdiv, l2_bytes
 from flashtile.kernels.tile_info import dealt_tile, section_heads, sequence_bounds
-from flashtile.kernels.tma import padded_headdim
+from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 
 LOG2E = 1.4426950408889634
 # Keys per consumer warpgroup: the M of its wgmmas; a program's key tile is two consumers' keys.
@@ -173,9 +179,10 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready
               window_left, window_right, num_items, section_heads, key_off, col_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr):
+              WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr):
     """Keys ``[key_off, key_off + 64)`` of the program's key tile (their dK, dV and dS rows),
-    and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ.
+    and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ (without ``WITH_DQ``:
+    no dQ, and the consumers never wait for each other; the dS tile stays in registers).
 
     With ``DQ_LAG`` the dS tile is double-buffered and a step's dQ GEMM is issued one step
     later, after the consumer's own dV and dK GEMMs of the next step: a consumer waits for
@@ -249,49 +256,54 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=[dp_t])
             ds_t = (p_t * (dp_t - gl.expand_dims(gl.convert_layout(delta, q_vec), 0))).to(dtype)
-            # dQ = dS K needs every key's dS, with queries as rows: each consumer writes its
-            # rows of the shared dS^T tile (once both have read what it held before), and both
-            # read it transposed once both have written it.  dK's GEMM is queued in between,
-            # so the tensor cores have dV, dK and dQ back to back.
-            buf = c % DS_BUFS
-            use = c // DS_BUFS
-            ds_all = ds_smem.index(buf)
-            my_ds = ds_all.slice(key_off, KEYS, dim=0)
-            mbarrier.wait(ds_free.index(buf), (use & 1) ^ 1)
-            my_ds.store(ds_t)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            if DK_SMEM:
-                dk = warpgroup_mma(my_ds, q, dk, is_async=True)
-            else:
+            if not WITH_DQ:
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
-            if DQ_LAG:
-                # The previous step's dQ (its dS in the other buffer).  Step 0 has none: it
-                # multiplies its own dS tile once both consumers have written it and drops the
-                # product, so that the wgmma waits stay outside any run-time branch.
-                prev = gl.maximum(c - 1, 0)
-                mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
-                dq = warpgroup_mma(ds_smem.index(prev % 2).permute((1, 0)), k_cols,
-                                   gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
                 mbarrier.arrive(empty.index(slot), count=1)
-                if c > 0:
-                    mbarrier.arrive(ds_free.index(prev % 2), count=1)
-                    _dq_out(DQ, DQ_desc, dq_smem, dq, b, hk * group + prev // n_steps, lo + (prev % n_steps) * BLOCK_M,
-                            q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
-                            dq_layout, BLOCK_M, VARLEN, DQ_TMA)
             else:
-                mbarrier.wait(ds_ready.index(0), c & 1)
-                dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
-                                   gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-                mbarrier.arrive(empty.index(slot), count=1)
-                mbarrier.arrive(ds_free.index(0), count=1)
-                _dq_out(DQ, DQ_desc, dq_smem, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
-                        dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA)
-        if DQ_LAG:
+                # dQ = dS K needs every key's dS, with queries as rows: each consumer writes its
+                # rows of the shared dS^T tile (once both have read what it held before), and both
+                # read it transposed once both have written it.  dK's GEMM is queued in between,
+                # so the tensor cores have dV, dK and dQ back to back.
+                buf = c % DS_BUFS
+                use = c // DS_BUFS
+                ds_all = ds_smem.index(buf)
+                my_ds = ds_all.slice(key_off, KEYS, dim=0)
+                mbarrier.wait(ds_free.index(buf), (use & 1) ^ 1)
+                my_ds.store(ds_t)
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+                if DK_SMEM:
+                    dk = warpgroup_mma(my_ds, q, dk, is_async=True)
+                else:
+                    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
+                if DQ_LAG:
+                    # The previous step's dQ (its dS in the other buffer).  Step 0 has none: it
+                    # multiplies its own dS tile once both consumers have written it and drops the
+                    # product, so that the wgmma waits stay outside any run-time branch.
+                    prev = gl.maximum(c - 1, 0)
+                    mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
+                    dq = warpgroup_mma(ds_smem.index(prev % 2).permute((1, 0)), k_cols,
+                                       gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
+                                       use_acc=False, is_async=True)
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    if c > 0:
+                        mbarrier.arrive(ds_free.index(prev % 2), count=1)
+                        _dq_out(DQ, DQ_desc, dq_smem, dq, b, hk * group + prev // n_steps, lo + (prev % n_steps) * BLOCK_M,
+                                q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
+                                dq_layout, BLOCK_M, VARLEN, DQ_TMA)
+                else:
+                    mbarrier.wait(ds_ready.index(0), c & 1)
+                    dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
+                                       gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
+                                       use_acc=False, is_async=True)
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    mbarrier.arrive(ds_free.index(0), count=1)
+                    _dq_out(DQ, DQ_desc, dq_smem, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
+                            dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA)
+        if DQ_LAG and WITH_DQ:
             if total > 0:
                 last = total - 1
                 mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1)
@@ -323,7 +335,7 @@ def attention_bwd_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
+    WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
 ):
     dtype: gl.constexpr = Q_desc.dtype
     KEYS: gl.constexpr = CONSUMER_KEYS
@@ -357,13 +369,15 @@ def attention_bwd_kernel(
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, 0, 0,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, DQ_TMA, DQ_LAG, DK_SMEM)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
+                     DK_SMEM)),
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(1), kv_ready, ready, empty, ds_ready,
                      ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, DQ_TMA, DQ_LAG, DK_SMEM)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
+                     DK_SMEM)),
         (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
                      ready, empty,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
@@ -390,6 +404,8 @@ class HopperBwdConfig(RegisterBudget):
     dq_tma: bool = False
     dq_lag: bool = False
     dk_smem: bool = False
+    # dQ at all: without it the kernel computes dK and dV alone (``deterministic_config``).
+    with_dq: bool = True
 
     @property
     def block_n(self) -> int:
@@ -414,49 +430,122 @@ def config_for(head_dim_pad: int) -> HopperBwdConfig:
     return HopperBwdConfig(dq_tma=True, dq_lag=head_dim_pad > 64)
 
 
+def deterministic_config(head_dim_pad: int) -> HopperBwdConfig:
+    """The configuration of a ``deterministic=True`` backward: dK and dV only (every program
+    owns its keys' rows, so they are reproducible bit for bit), dQ left to the ``tl.*`` dQ
+    kernel, whose programs own their rows too."""
+    return dataclasses.replace(config_for(head_dim_pad), with_dq=False, dq_tma=False, dq_lag=False, dk_smem=False)
+
+
 def config_from_spec(head_dim_pad: int, spec: str) -> HopperBwdConfig:
     """``config_for(head_dim_pad)`` with the changes of ``spec`` (``hopper.config_changes``;
     ``""``: the default itself)."""
     return configured(config_for, spec)(head_dim_pad)
 
 
-def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left, window_right, config=None):
+def _launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, headdim, softmax_scale, window_left,
+                 window_right, cfg, make=descriptor):
+    """``(grid, args, options)`` of the kernel's launch: the general launcher's and a launch
+    plan's sample (``make`` builds the descriptors; a plan turns them into templates)."""
+    hd = padded_headdim(headdim)
+    num_items = cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k
+    if layout.varlen:
+        dq_strides = (0, dq_acc.stride(0), dq_acc.stride(1))
+        kv_strides = (0, dk.stride(0), dk.stride(1))
+    else:
+        dq_strides = (dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2))
+        kv_strides = (dk.stride(0), dk.stride(1), dk.stride(2))
+    cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
+    args = (
+        layout.tiles(q, cfg.block_m, hd, make), layout.tiles(k, cfg.block_n, hd, make),
+        layout.tiles(v, cfg.block_n, hd, make), layout.tiles(dout, cfg.block_m, hd, make),
+        layout.tiles(dq_acc, cfg.block_m, hd // 2, make), dq_acc, dk, dv, lse2, delta, cu_q, cu_k,
+        *dq_strides, *kv_strides, stride_lb, stride_lh,
+        layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, headdim,
+        softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
+        section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * (layout.nheads // layout.nheads_k),
+                      layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
+    )
+    options = dict(
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        WITH_DQ=cfg.with_dq, DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return (num_items,), args, options
+
+
+# The launch arguments a call passes (q, k, v, dO, the dQ workspace's descriptor and tensor,
+# dK, dV, the LSE and delta, and the two cu_seqlens stand-ins: the LSE): the rest is fixed per
+# launch plan.
+_HEAD = 12
+
+
+def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left, window_right, config=None,
+             deterministic=False):
     """dQ, dK, dV of ``layout``'s attention (``flashtile.kernels.attention.Layout``), from the
     preprocess's ``lse2`` (LSE * log2 e, ``+inf`` on empty rows) and ``delta``.  ``q``, ``k``,
     ``v``, ``dout`` are the TMA-ready tensors (their last dim may be padded past the true
     ``headdim``); dK and dV come back shaped like ``k`` and ``v`` (columns past ``headdim``
-    unwritten), dQ at the true head dim."""
+    unwritten), dQ at the true head dim -- or None with ``deterministic`` (dK and dV alone:
+    ``deterministic_config``; the caller computes dQ)."""
     d = headdim
     hd = padded_headdim(d)
-    cfg = config or config_for(hd)
-    # fp32 and HEAD_DIM columns wide: the kernel adds whole rows, unmasked, vectorised.
-    dq_acc = torch.zeros((*q.shape[:-1], hd), dtype=torch.float32, device=q.device)
+    cfg = config or (deterministic_config(hd) if deterministic else config_for(hd))
+    # fp32 and HEAD_DIM columns wide: the kernel adds whole rows, unmasked, vectorised.  Without
+    # dQ, one tile of it for the descriptor the kernel's signature takes.
+    if cfg.with_dq:
+        dq_acc = torch.zeros((*q.shape[:-1], hd), dtype=torch.float32, device=q.device)
+    else:
+        dq_acc = torch.empty((cfg.block_m, 1, hd) if layout.varlen else (1, cfg.block_m, 1, hd), dtype=torch.float32,
+                             device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    num_items = cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k
-    if num_items > 0:
-        if layout.varlen:
-            dq_strides = (0, dq_acc.stride(0), dq_acc.stride(1))
-            kv_strides = (0, dk.stride(0), dk.stride(1))
-        else:
-            dq_strides = (dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2))
-            kv_strides = (dk.stride(0), dk.stride(1), dk.stride(2))
-        cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
-        attention_bwd_kernel[(num_items,)](
-            layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
-            layout.tiles(v, cfg.block_n, hd, descriptor), layout.tiles(dout, cfg.block_m, hd, descriptor),
-            layout.tiles(dq_acc, cfg.block_m, hd // 2, descriptor), dq_acc, dk, dv, lse2, delta, cu_q, cu_k, *dq_strides, *kv_strides, stride_lb, stride_lh,
-            layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, d,
-            softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
-            section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * (layout.nheads // layout.nheads_k),
-                          layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
-            HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-            MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
-            CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-            DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
-            num_warps=4, maxnreg=cfg.maxnreg,
-        )
+    if cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k > 0:  # else no tile to build a descriptor for
+        # Through the launch layer: after the first call of a class, the compiled kernel is
+        # launched directly.
+        launch(attention_bwd_kernel, *_launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, d,
+                                                   softmax_scale, window_left, window_right, cfg))
+    if not cfg.with_dq:
+        return None, dk, dv
     # Scaled and rounded to dQ's dtype in one pass, with no fp32 temporary beside the workspace.
     dq = torch.empty((*q.shape[:-1], d), dtype=q.dtype, device=q.device)
     torch.mul(dq_acc[..., :d], softmax_scale, out=dq)
     return dq, dk, dv
+
+
+def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, window_right, deterministic=False):
+    """The launch plan of :func:`backward` for dense inputs with these shapes, strides, dtypes
+    and device, the head dim a power of two (no padding), no tensor empty: a function
+    ``(q, k, v, dout, lse2, delta) -> (dq, dk, dv)`` (dq None with ``deterministic``) for TMA-ready tensors with 16-byte aligned
+    bases (the caller checks the bases).  Per call it allocates the workspace and the
+    gradients and launches; the descriptors come from templates (``DescriptorTemplate``), the
+    grid, the other arguments and the constexprs are the ones :func:`backward` computes."""
+    d = q.shape[-1]
+    cfg = deterministic_config(d) if deterministic else config_for(d)
+    acc_shape, dtype, device = tuple(q.shape), q.dtype, q.device
+    k_shape, v_shape = tuple(k.shape), tuple(v.shape)
+    sample_acc = torch.empty(acc_shape, dtype=torch.float32, device=device)
+    # Without dQ, the plan's own tile for the descriptor (the kernel never reads it).
+    placeholder_acc = torch.empty((1, cfg.block_m, 1, d), dtype=torch.float32, device=device)
+    sample_dk = torch.empty(k_shape, dtype=dtype, device=device)
+    sample_dv = torch.empty(v_shape, dtype=dtype, device=device)
+    grid, args, options = _launch_args(layout, q, k, v, dout, sample_acc if cfg.with_dq else placeholder_acc, sample_dk,
+                                       sample_dv, lse2, delta, d, softmax_scale, window_left, window_right, cfg)
+    args = tuple(DescriptorTemplate(a) if i < 5 else a for i, a in enumerate(args))
+    bound = bind(attention_bwd_kernel, grid, options, args, tail_from=_HEAD)
+
+    def run(q, k, v, dout, lse2, delta):
+        dk = torch.empty(*k_shape, dtype=dtype, device=device)
+        dv = torch.empty(*v_shape, dtype=dtype, device=device)
+        if not cfg.with_dq:
+            bound((q, k, v, dout, placeholder_acc, placeholder_acc, dk, dv, lse2, delta, lse2, lse2))
+            return None, dk, dv
+        dq_acc = torch.zeros(*acc_shape, dtype=torch.float32, device=device)
+        bound((q, k, v, dout, dq_acc, dq_acc, dk, dv, lse2, delta, lse2, lse2))
+        dq = torch.empty(*acc_shape, dtype=dtype, device=device)
+        torch.mul(dq_acc, softmax_scale, out=dq)
+        return dq, dk, dv
+
+    return run

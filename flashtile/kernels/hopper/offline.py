@@ -76,10 +76,11 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
 
 def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
                      dtype: str = "bf16", config: bwd.HopperBwdConfig | None = None, alternative: str = "",
-                     **constexprs):
+                     deterministic: bool = False, **constexprs):
     """The backward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
-    (``alternative``: one of ``attention_bwd.ALTERNATIVES`` instead of the default configuration)."""
-    cfg = config or bwd.config_from_spec(hd, alternative)
+    (``alternative``: one of ``attention_bwd.ALTERNATIVES`` instead of the default configuration;
+    ``deterministic``: the dK / dV kernel of a ``deterministic=True`` call)."""
+    cfg = config or (bwd.deterministic_config(hd) if deterministic else bwd.config_from_spec(hd, alternative))
     fn = bwd.attention_bwd_kernel
     ints = ("stride_dqb stride_dqm stride_dqh stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k "
             "max_seqlen_k nheads_k group headdim window_left window_right num_items section_heads").split()
@@ -91,7 +92,8 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
-              "DQ_TMA": cfg.dq_tma, "DQ_LAG": cfg.dq_lag, "DK_SMEM": cfg.dk_smem, **constexprs}
+              "WITH_DQ": cfg.with_dq, "DQ_TMA": cfg.dq_tma, "DQ_LAG": cfg.dq_lag, "DK_SMEM": cfg.dk_smem,
+              **constexprs}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb",
                           "stride_km", "stride_kh", "stride_lb", "stride_lh", "headdim"))
@@ -149,12 +151,20 @@ def variants():
             bwd.ALTERNATIVES, ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
         yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    alternative=alternative)
+    # The dK / dV kernel of deterministic calls, wherever the backward runs.
+    for (causal, window), varlen, hd in itertools.product(
+            ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
+        yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
+                   deterministic=True)
     # One query row, one key and one query head per key head: Triton's JIT passes the integer
     # arguments equal to 1 as constants, which fold the query-tile loop to one step (Triton
     # 3.6 fails to lower the late dQ GEMM's loop when ``group`` is a constant 1 as well).
     for alternative, hd in itertools.product(("",) + bwd.ALTERNATIVES, HEAD_DIMS["backward"]):
         yield dict(kernel="backward", hd=hd, causal=False, window=False, varlen=False, dtype="bf16",
                    alternative=alternative, **{name: 1 for name in ONE_ROW_CONSTANTS})
+    for hd in HEAD_DIMS["backward"]:
+        yield dict(kernel="backward", hd=hd, causal=False, window=False, varlen=False, dtype="bf16",
+                   deterministic=True, **{name: 1 for name in ONE_ROW_CONSTANTS})
 
 
 def compile_variant(kernel: str, **shape):

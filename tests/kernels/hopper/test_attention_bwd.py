@@ -49,13 +49,16 @@ def _case_id(c):
     return "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(*c[:6], "causal" if c[6] else "full", c[7])
 
 
-def _check_case(case, dtype):
+def _check_case(case, dtype, deterministic=False):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=dtype, device="cuda",
                          requires_grad=True)
     kw = dict(causal=causal, window_size=window)
     dout = random_like(q, seed=1)
-    got = _grads(q, k, v, dout, **kw)
+    got = _grads(q, k, v, dout, deterministic=deterministic, **kw)
+    if deterministic:  # bitwise the same again
+        for name, a, b in zip(("dq", "dk", "dv"), got, _grads(q, k, v, dout, deterministic=True, **kw)):
+            assert torch.equal(a, b), name
     ref = reference_attention_grads(q, k, v, dout, **kw)
     low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
     for name, g, r64, rlow in zip(("dq", "dk", "dv"), got, ref[2:], low[2:]):
@@ -72,6 +75,13 @@ def _use_config(monkeypatch, spec):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_gluon_backward_matches_reference(case, dtype):
     _check_case(case, dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gluon_deterministic_backward_matches_reference(case):
+    # dK and dV on the Gluon kernel without dQ, dQ on the tl.* dQ kernel.
+    _check_case(case, torch.bfloat16, deterministic=True)
 
 
 @needs_hopper
@@ -95,10 +105,12 @@ def test_gluon_backward_with_lse_gradient():
 
 
 @needs_hopper
-@pytest.mark.parametrize("config", ("",) + attention_bwd.ALTERNATIVES, ids=lambda spec: spec or "default")
+@pytest.mark.parametrize("config", ("",) + attention_bwd.ALTERNATIVES + ("deterministic",), ids=lambda spec: spec or "default")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_varlen_backward_matches_dense_per_sequence(causal, config, monkeypatch):
-    _use_config(monkeypatch, config)
+    deterministic = config == "deterministic"  # dK and dV on the Gluon kernel, dQ on the tl.* one
+    if not deterministic:
+        _use_config(monkeypatch, config)
     # Zero-length and one-row sequences, and sequences whose last key tile is partial (so the
     # next packed sequence's keys sit in it and must stay masked).
     lens = [0, 1, 17, 300, 1000, 129]
@@ -106,7 +118,8 @@ def test_gluon_varlen_backward_matches_dense_per_sequence(causal, config, monkey
     q, k, v = (t[0].requires_grad_(True) for t in (q, k, v))
     dout = random_like(q, seed=3)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                           deterministic=deterministic)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     for b, n in enumerate(lens):
         s, e = int(cu[b]), int(cu[b + 1])
@@ -121,7 +134,8 @@ def test_gluon_varlen_backward_matches_dense_per_sequence(causal, config, monkey
 
 @needs_hopper
 def test_deterministic_backward_is_bitwise_reproducible(monkeypatch):
-    # deterministic=True is the ordered tl.* path (auto engine): the same bits every run.
+    # deterministic=True (auto engine): dK and dV on the Gluon kernel, whose programs own their
+    # keys, dQ on the tl.* kernel, whose programs own their rows: the same bits every run.
     monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
     q, k, v = random_qkv(2, 1000, 1000, 4, 2, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dout = random_like(q, seed=1)
