@@ -23,7 +23,7 @@ def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
     summary = run_stubbed_tests_in_child(__file__)
-    assert "9 passed, 1 skipped" in summary, summary
+    assert "10 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -180,6 +180,20 @@ def test_tiny_forward_skips_the_custom_op_only_when_nothing_needs_it(stub, monke
     with PassThrough():
         flashtile.flash_attn_func(q, k, v)
     assert len(calls) == 1
+
+
+@in_child
+def test_while_dynamo_traces_the_eager_test_asks_is_compiling_alone(stub, monkeypatch):
+    # Dynamo cannot trace the mode queries (C functions): under torch.compile, eager_ok must
+    # return at is_compiling() before reaching them (fullgraph=True would fail there).
+    def untraceable():
+        raise AssertionError("a mode query while torch.compile traces")
+
+    for name in ("_function_mode_enabled", "_dispatch_stack_depth", "_functorch_transforms_active"):
+        monkeypatch.setattr(ops, name, untraceable)
+    q = torch.randn(1, 128, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not ops.eager_ok(q, q, q, None)
 
 
 @in_child
