@@ -232,12 +232,20 @@ def test_planned_backward_equals_the_general_path(case):
     want = backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(g, w), name
-    # A base off the 16-byte grid in one call: that call goes the general way.
+    # A base off the 16-byte grid in one call: that call goes the general way, whether the plan
+    # is built (above) or would be built by this very call (the key's second call).
     buf = torch.empty(dout.numel() + 1, dtype=dout.dtype)
     shifted = buf[1:].view(dout.shape).copy_(dout)
     assert shifted.stride() == dout.stride() and shifted.data_ptr() % 16
     for g, w in zip(backward.bwd(shifted, q, k, v, out, lse, params), want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+    backward.clear_plans()
+    backward.bwd(dout, q, k, v, out, lse, params)
+    for g, w in zip(backward.bwd(shifted, q, k, v, out, lse, params), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert not backward.plans, "the misaligned call built no plan"
+    backward.bwd(dout, q, k, v, out, lse, params)
+    assert len(backward.plans) == (case != "alibi" and case != "dropout")
 
 
 # --------------------------------------------------------------------------------------

@@ -380,7 +380,9 @@ def clear_plans() -> None:
 def _config_functions() -> tuple:
     """The functions that pick the tiles (tests and A/B benchmarks replace them): part of the key."""
     hopper = sys.modules.get("flashtile.kernels.hopper.attention_bwd")
-    return bwd_config, hopper.config_for if hopper is not None else None
+    if hopper is None:
+        return (bwd_config,)
+    return bwd_config, hopper.config_for, hopper.deterministic_config
 
 
 
@@ -392,8 +394,9 @@ def _plan_for(dout, q, k, v, out, lse, params: AttentionParams):
     if params.alibi_slopes is not None or params.dropout_p > 0:
         return None
     scale, left, right, softcap = params.softmax_scale, params.window_left, params.window_right, params.softcap
-    key = (dout.shape, dout.stride(), q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-           v.shape, v.stride(), v.dtype, out.shape, out.stride(), out.dtype, lse.shape, lse.stride(), lse.dtype,
+    key = (dout.shape, dout.stride(), dout.dtype, dout.device, q.shape, q.stride(), q.dtype, q.device, k.shape,
+           k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device, out.shape, out.stride(), out.dtype,
+           out.device, lse.shape, lse.stride(), lse.dtype, lse.device,
            scale, left, right, softcap, params.deterministic, scale.__class__, left.__class__, right.__class__,
            softcap.__class__, engine_setting(), _config_functions())
     plan = plans.get(key)
@@ -403,6 +406,8 @@ def _plan_for(dout, q, k, v, out, lse, params: AttentionParams):
                 _seen_once.clear()
             _seen_once.add(key)
             return None
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15:
+            return None  # the plan's descriptors are built over this call's tensors: a later call decides
         _seen_once.discard(key)
         plan = _dense_plan(dout, q, k, v, out, lse, params) or NO_PLAN
         if len(plans) >= _MAX_PLANS:
