@@ -2,7 +2,7 @@
 
 The checks are memoised by a key of the tensors' metadata and the scalars' values and types
 (``flashtile.interface._checked``); the dense forward launches from a plan per key
-(``flashtile.kernels.attention.forward.plans``).  These tests hold both to the general path:
+(``flashtile.kernels.attention.forward.cache.plans``).  These tests hold both to the general path:
 every bad argument still raises after a good call with the same tensors, and a planned
 launch passes the kernel exactly what the general launcher passes (in the interpreter: the
 same numbers; on a stubbed GPU: the same arguments, constexprs and grid, for both engines).
@@ -145,14 +145,14 @@ def test_planned_forward_equals_the_general_path(case):
     forward.clear_plans()
     forward.fwd(q, k, v, params)  # a key's first call goes the general way; the second builds the plan
     got = forward.fwd(q, k, v, params)
-    assert len(forward.plans) == 1 and next(iter(forward.plans.values())) is not forward.NO_PLAN
+    assert len(forward.cache.plans) == 1 and next(iter(forward.cache.plans.values())) is not forward.NO_PLAN
     want = forward._forward(Layout(q, k), q, k, v, params, None)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     if case == "dropout":  # the seed is each call's own
         other = AttentionParams(0.3, dropout_p=0.25, seed=12, offset=5)
         assert torch.equal(forward.fwd(q, k, v, other)[0], forward._forward(Layout(q, k), q, k, v, other, None)[0])
-        assert len(forward.plans) == 1
+        assert len(forward.cache.plans) == 1
 
 
 @needs_interpreter
@@ -163,14 +163,14 @@ def test_calls_a_plan_cannot_take_go_the_general_way():
     forward.clear_plans()
     forward.fwd(q, k, v, AttentionParams(0.3))
     out, _ = forward.fwd(q, k, v, AttentionParams(0.3))
-    assert list(forward.plans.values()) == [forward.NO_PLAN]
+    assert list(forward.cache.plans.values()) == [forward.NO_PLAN]
     torch.testing.assert_close(out, flashtile.flash_attn_func(q, k, v, softmax_scale=0.3))
     # A base off the 16-byte grid in one call: that call goes the general way (a padded copy).
     q, k, v = _qkv()
     params = AttentionParams(0.3)
     forward.fwd(q, k, v, params)
     forward.fwd(q, k, v, params)  # the key's second call: its plan, which the shifted call then finds
-    assert len(forward.plans) == 2 and list(forward.plans.values())[1] is not forward.NO_PLAN
+    assert len(forward.cache.plans) == 2 and list(forward.cache.plans.values())[1] is not forward.NO_PLAN
     buf = torch.empty(q.numel() + 1)
     shifted = buf[1:].view(q.shape).copy_(q)
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
@@ -188,15 +188,15 @@ def test_kept_plans_go_stale_with_the_cache(monkeypatch):
     memo = interface._Checked(params)
     forward.clear_plans()
     ops.eager_forward(q, k, v, params, memo)
-    assert memo.plans is None and not forward.plans, "a key's first call goes the general way, building no plan"
+    assert memo.plans is None and not forward.cache.plans, "a key's first call goes the general way, building no plan"
     ops.eager_forward(q, k, v, params, memo)
     kept = memo.plan
-    assert kept is not forward.NO_PLAN and memo.plans is forward.plans
+    assert kept is not forward.NO_PLAN and memo.plans is forward.cache.plans
     forward.clear_plans()
     for _ in range(2):  # the key is new again: seen once, then planned
         ops.eager_forward(q, k, v, params, memo)
-    assert memo.plans is forward.plans and memo.plan not in (kept, forward.NO_PLAN)
-    assert list(forward.plans.values()) == [memo.plan]
+    assert memo.plans is forward.cache.plans and memo.plan not in (kept, forward.NO_PLAN)
+    assert list(forward.cache.plans.values()) == [memo.plan]
 
 
 @needs_interpreter
@@ -227,8 +227,8 @@ def test_planned_backward_equals_the_general_path(case):
     backward.bwd(dout, q, k, v, out, lse, params)  # a key's first call goes the general way; the second plans
     got = backward.bwd(dout, q, k, v, out, lse, params)
     plannable = case not in ("alibi", "dropout", "padded")
-    assert len(backward.plans) == (case != "alibi" and case != "dropout")
-    assert any(plan is not backward.NO_PLAN for plan in backward.plans.values()) == plannable
+    assert len(backward.cache.plans) == (case != "alibi" and case != "dropout")
+    assert any(plan is not backward.NO_PLAN for plan in backward.cache.plans.values()) == plannable
     want = backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(g, w), name
@@ -243,9 +243,9 @@ def test_planned_backward_equals_the_general_path(case):
     backward.bwd(dout, q, k, v, out, lse, params)
     for g, w in zip(backward.bwd(shifted, q, k, v, out, lse, params), want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    assert not backward.plans, "the misaligned call built no plan"
+    assert not backward.cache.plans, "the misaligned call built no plan"
     backward.bwd(dout, q, k, v, out, lse, params)
-    assert len(backward.plans) == (case != "alibi" and case != "dropout")
+    assert len(backward.cache.plans) == (case != "alibi" and case != "dropout")
 
 
 # --------------------------------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_stubbed_plans_launch_what_the_general_path_launches(stubbed, monkeypatc
     forward.fwd(q, k, v, params)  # builds the plan, launches from it
     forward.fwd(q, k, v, params)
     forward._forward(Layout(q, k), q, k, v, params, None)
-    assert len(forward.plans) == 1 and next(iter(forward.plans.values())) is not forward.NO_PLAN
+    assert len(forward.cache.plans) == 1 and next(iter(forward.cache.plans.values())) is not forward.NO_PLAN
     planned, again, general = launches
     assert planned == again == general
     gluon = engine == "auto" and d > 64 and case in ("full", "causal", "window")
@@ -364,7 +364,7 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
     backward.bwd(dout, q, k, v, out, lse, params)  # the key's first call: the general way
     backward.bwd(dout, q, k, v, out, lse, params)  # builds the plan, launches from it
     backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
-    assert len(backward.plans) == 1 and next(iter(backward.plans.values())) is not backward.NO_PLAN
+    assert len(backward.cache.plans) == 1 and next(iter(backward.cache.plans.values())) is not backward.NO_PLAN
     n = len(launches) // 3
     first, planned, general = launches[:n], launches[n:2 * n], launches[2 * n:]
     assert first == planned == general and len(launches) == 3 * n
@@ -400,7 +400,7 @@ def test_stubbed_tiny_forward_takes_the_plan_through_the_public_function(stubbed
     launches, _ = stubbed
     assert len(launches) == 3 and len(set(map(repr, launches))) == 1
     memo = calls[0]
-    assert all(m is memo for m in calls) and memo.plans is forward.plans and memo.plan is not forward.NO_PLAN
+    assert all(m is memo for m in calls) and memo.plans is forward.cache.plans and memo.plan is not forward.NO_PLAN
 
 
 def _planned_case(monkeypatch, d, engine, case):
@@ -528,7 +528,7 @@ def test_gpu_eager_autograd_gives_the_ops_gradients(monkeypatch, d, causal, dete
     real_ok = ops.eager_ok
     backward.clear_plans()
     eager = [grads() for _ in range(3)]  # the general way, then the backward's plan
-    assert len(backward.plans) == 1 and next(iter(backward.plans.values())) is not backward.NO_PLAN
+    assert len(backward.cache.plans) == 1 and next(iter(backward.cache.plans.values())) is not backward.NO_PLAN
     monkeypatch.setattr(ops, "eager_ok", lambda *args: False)
     out_op, grads_op = grads()
     for out, got in eager:

@@ -117,15 +117,15 @@ def eager_forward(q, k, v, params: AttentionParams, memo=None):
     arguments), with a ``plan`` slot for the forward's launch plan and a ``plans`` slot for the
     plan cache it came from: every call with the entry's key has the plan's key too (the
     entry's key holds all the plan's key does), so the plan is looked up once per entry, not
-    per call, and used while that cache is current (``forward.plans``: emptying it makes
+    per call, and used while that cache is current (``forward.cache.plans``: emptying it makes
     every kept plan stale)."""
     forward = _kernels_forward or _import_kernels_forward()
     if memo is not None:
-        if memo.plans is not forward.plans:
+        if memo.plans is not forward.cache.plans:
             plan = forward.lookup_plan(q, k, v, params)
             if plan is forward.PENDING:  # not decided yet (a key's first call): ask again next time
                 return forward.general(q, k, v, params)
-            memo.plan, memo.plans = plan, forward.plans
+            memo.plan, memo.plans = plan, forward.cache.plans
         if memo.plan is not forward.NO_PLAN:
             result = memo.plan(q, k, v, params)
             if result is not None:

@@ -30,6 +30,7 @@ from flashtile.kernels.engine import backward_engine, engine_setting
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import key_tiles, query_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
+from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim, tma_strides
@@ -361,20 +362,15 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
 # devices of dout, q, k, v, out and lse, the call's scalars, the engine setting and the tile
 # configuration functions, so it is worked out once per such key.  A plan takes the calls the
 # general path would run with no copy (TMA-ready strides, a head dim of a power of two, a
-# contiguous LSE), no dropout, ALiBi or LSE gradient; the rest goes the general way.  A key's
-# first call goes the general way and its second builds the plan.
-_MAX_PLANS = 256
-_MAX_SEEN_ONCE = 1024
-plans: dict = {}
-_seen_once: set = set()
-NO_PLAN = object()  # a key whose calls go the general way
+# contiguous LSE), no dropout, ALiBi or LSE gradient; the rest goes the general way.  When a
+# plan is built: ``flashtile.kernels.plans``.
+cache = PlanCache()
 _Tensor = torch.Tensor
 
 
 def clear_plans() -> None:
     """Forget the backward's launch plans and the keys seen once."""
-    plans.clear()
-    _seen_once.clear()
+    cache.clear()
 
 
 def _config_functions() -> tuple:
@@ -399,21 +395,12 @@ def _plan_for(dout, q, k, v, out, lse, params: AttentionParams):
            out.device, lse.shape, lse.stride(), lse.dtype, lse.device,
            scale, left, right, softcap, params.deterministic, scale.__class__, left.__class__, right.__class__,
            softcap.__class__, engine_setting(), _config_functions())
-    plan = plans.get(key)
+    plan = cache.plans.get(key)
     if plan is None:
-        if key not in _seen_once:
-            if len(_seen_once) >= _MAX_SEEN_ONCE:
-                _seen_once.clear()
-            _seen_once.add(key)
-            return None
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15:
-            return None  # the plan's descriptors are built over this call's tensors: a later call decides
-        _seen_once.discard(key)
-        plan = _dense_plan(dout, q, k, v, out, lse, params) or NO_PLAN
-        if len(plans) >= _MAX_PLANS:
-            plans.clear()
-        plans[key] = plan
-    return None if plan is NO_PLAN else plan
+        # The plan's descriptors are built over this call's tensors: a misaligned one waits.
+        plan = cache.decide(key, lambda: _dense_plan(dout, q, k, v, out, lse, params),
+                            ready=not (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15)
+    return None if plan is NO_PLAN or plan is PENDING else plan
 
 
 def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):

@@ -29,6 +29,7 @@ from flashtile.kernels.launch import constant as launch_constant
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, online_max, score_mod, score_mod_args
+from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim, tma_strides
@@ -266,27 +267,16 @@ def _forward(layout, q, k, v, params: AttentionParams, config):
 # outputs, builds its descriptors from the plan's templates and launches.  What a plan cannot
 # take (a head dim that needs padding, an unaligned stride, an empty tensor, a 16-byte
 # misaligned base in one call) goes the general way, ``_forward``, which decides as before.
-# A key's first call goes the general way too and only its second builds the plan: a model
-# that extends a KV cache by a token a step calls with a new shape every time, and would pay
-# for plans it never uses.  Keys seen once are remembered apart (``_seen_once``), so they
-# never evict plans.  A caller that keeps a plan beside its own memo (the public function's
-# argument checks) keeps the ``plans`` dict it came from too, and uses the plan only while that
-# is still ``plans``: emptying the cache replaces the dict, so every kept plan goes stale with it.
-_MAX_PLANS = 256
-_MAX_SEEN_ONCE = 1024
-plans: dict = {}
-_seen_once: set = set()
-NO_PLAN = object()  # a key whose calls go the general way
-PENDING = object()  # a key with no plan yet: this call goes the general way, a later one decides
+# When a plan is built, and how a kept one goes stale: ``flashtile.kernels.plans``.  The public
+# function's memo keeps ``cache.plans`` beside its plan.
+cache = PlanCache()
 _Tensor = torch.Tensor
 
 
 def clear_plans() -> None:
     """Forget the cached launch plans, kept ones included, and the keys seen once (after a test
     changes what a plan was built from)."""
-    global plans
-    plans = {}
-    _seen_once.clear()
+    cache.clear()
 
 
 
@@ -389,7 +379,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
 
 
 def lookup_plan(q, k, v, params: AttentionParams):
-    """This call's plan (see ``_MAX_PLANS``): a function ``(q, k, v, params) -> (out, lse) or
+    """This call's plan (see ``flashtile.kernels.plans``): a function ``(q, k, v, params) -> (out, lse) or
     None``, ``NO_PLAN`` (the key's calls go the general way), or ``PENDING`` (not decided yet:
     the key's first call, or a second one with a base off the 16-byte grid, which the plan's
     descriptor templates need; a split-KV call's plan is made at its first call)."""
@@ -406,25 +396,13 @@ def lookup_plan(q, k, v, params: AttentionParams):
     key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
            v.dtype, v.device, scale, left, right, softcap, params.dropout_p > 0, alibi, scale.__class__,
            left.__class__, right.__class__, softcap.__class__, engine_setting())
-    plan = plans.get(key)
+    plan = cache.plans.get(key)
     if plan is not None:
         return plan
     # A split-KV call builds its plan at once (the general path would build the same one), at
     # any alignment (the decode kernel reads through pointers, not TMA).
-    split = split_kv_forward(q, k, v, params.dropout)
-    if key not in _seen_once and not split:
-        if len(_seen_once) >= _MAX_SEEN_ONCE:
-            _seen_once.clear()
-        _seen_once.add(key)
-        return PENDING
-    if not split and (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return PENDING
-    _seen_once.discard(key)
-    plan = _dense_plan(q, k, v, params) or NO_PLAN
-    if len(plans) >= _MAX_PLANS:
-        clear_plans()
-    plans[key] = plan
-    return plan
+    return cache.decide(key, lambda: _dense_plan(q, k, v, params), at_once=split_kv_forward(q, k, v, params.dropout),
+                        ready=not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15)
 
 
 def plan_for(q, k, v, params: AttentionParams):
