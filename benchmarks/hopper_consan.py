@@ -27,14 +27,16 @@ assert os.environ.get("TRITON_INSTRUMENTATION_MODE") == "consan", "set TRITON_IN
 # ConSan keeps its shadow state in global scratch memory, which Triton takes from this allocator.
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
-# Backward cases: ("bwd", d, n, heads, causal, configuration spec: "" or one of attention_bwd.ALTERNATIVES).
+# Backward cases: ("bwd", d, n, heads, causal, configuration spec: "" or one of attention_bwd.ALTERNATIVES,
+# deterministic: the Gluon kernel without dQ, ``attention_bwd.deterministic_config``).
 CASES = [(64, 600, 32, False, False), (128, 700, 24, True, False), (256, 300, 40, True, False),
-         (128, 500, 24, False, True), ("bwd", 128, 300, 4, True, ""), ("bwd", 64, 300, 4, False, "")]
-CASES += [("bwd", 128, 300, 4, True, spec) for spec in attention_bwd.ALTERNATIVES]
+         (128, 500, 24, False, True), ("bwd", 128, 300, 4, True, "", False), ("bwd", 64, 300, 4, False, "", False),
+         ("bwd", 128, 300, 4, True, "", True)]
+CASES += [("bwd", 128, 300, 4, True, spec, False) for spec in attention_bwd.ALTERNATIVES]
 default_bwd_config = attention_bwd.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     if CASES[case][0] == "bwd":
-        _, d, n, heads, causal, spec = CASES[case]
+        _, d, n, heads, causal, spec, deterministic = CASES[case]
         os.environ["FLASHTILE_ENGINE"] = "gluon"
         attention_bwd.config_for = configured(default_bwd_config, spec)
         import flashtile
@@ -42,11 +44,12 @@ for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
         q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         # The ops called on this thread, not through autograd: the backward pass runs on autograd's
         # own thread, where the allocator set above (a context variable) is not visible.
-        params = (d ** -0.5, -1, 0 if causal else -1, 0.0, None, 0.0, 0, 0, False)
+        params = (d ** -0.5, -1, 0 if causal else -1, 0.0, None, 0.0, 0, 0, deterministic)
         out, lse = torch.ops.flashtile.attention_forward(q, k, v, *params)
         grads = torch.ops.flashtile.attention_backward(torch.randn_like(q), q, k, v, out, lse, None, *params)
         torch.cuda.synchronize()
-        print(f"consan backward d={d} n={n} heads={heads} causal={causal} config={spec or 'default'}: ok, "
+        print(f"consan backward d={d} n={n} heads={heads} causal={causal} config={spec or 'default'} "
+              f"deterministic={deterministic}: ok, "
               f"finite={all(bool(g.isfinite().all()) for g in grads)}", flush=True)
         continue
     d, n, heads, causal, varlen = CASES[case]

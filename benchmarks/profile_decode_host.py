@@ -17,7 +17,10 @@ Rows (``bench = "decode_host"``), ``mode``:
   flashtile_ordinary (every launch through ``kernel[grid]``, what the launch layer replaces),
   sdpa_cudnn / sdpa_flash (SDPA on the whole cache; with an append, the two copies into the
   cache first);
-* ``func`` -- ``flash_attn_func`` forward at (1, 128, 8, 64) against SDPA (cuDNN, flash).
+* ``func`` -- ``flash_attn_func`` forward at (1, 128, 8, 64) against SDPA (cuDNN, flash);
+* ``func growing`` -- ``flash_attn_func`` of one query row against keys and values one longer
+  every 8 calls, as transformers' dynamic cache makes them (:func:`growing_cases`), against
+  SDPA (flash, efficient; cuDNN sets itself up again for every new length).
 
 Then a cProfile of the flashtile append step.  Records go to ``--out`` (a folder; the
 committed results: ``--out benchmarks/results``) as ``decode_host.jsonl``.
@@ -159,6 +162,42 @@ def func_cases(batch, seqlen, nheads, d, dtype):
         yield dict(impl=impl), sdpa
 
 
+def growing_cases(layers=8, start=4096, nheads=16, nheads_k=4, d=128, dtype=torch.bfloat16):
+    """``(record fields, fn)`` for a decode step as transformers' dynamic cache makes it: one
+    query row against keys and values one longer every ``layers`` calls (the layers of a step
+    share the length), seen as ``(batch, nheads_k, n, d)`` tensors transposed to flash-attn's
+    layout, so the length and two strides change every step; causal.  Views over one storage
+    stand for the cache's fresh tensors.  Each impl grows its own cache from ``start``."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 1, nheads, d, device="cuda", dtype=dtype)
+    storage = torch.randn(2, nheads_k * (start + 20000) * d, device="cuda", dtype=dtype)
+
+    def stepper(attend):
+        state = {"call": 0}
+
+        def step():
+            n = start + state["call"] // layers
+            state["call"] += 1
+            k, v = (storage[i, :nheads_k * n * d].as_strided((1, n, nheads_k, d), (nheads_k * n * d, d, n * d, 1))
+                    for i in (0, 1))
+            return attend(k, v)
+
+        return step
+
+    fields = dict(batch=1, nheads=nheads, nheads_k=nheads_k, seqlen_q=1, seqlen_k=start, headdim=d,
+                  mode="func growing", layout="dense", lengths="none")
+    yield dict(fields, impl="flashtile"), stepper(lambda k, v: flashtile.flash_attn_func(q, k, v, causal=True))
+    qt = q.transpose(1, 2)
+    for impl, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def sdpa(k, v, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+
+        yield dict(fields, impl=impl), stepper(sdpa)
+
+
 def plot(records, path):
     """Host microseconds per call, one bar per case, flashtile's bars beside the peers'."""
     from flashtile.bench.common import plot_host_us
@@ -193,6 +232,7 @@ def main():
     tiny = dict(batch=1, nheads=8, nheads_k=8, seqlen_q=128, seqlen_k=128, headdim=64)
     cases += [(dict(tiny, mode="func", layout="dense", lengths="none", **fields), fn)
               for fields, fn in func_cases(1, 128, 8, 64, dtype)]
+    cases += list(growing_cases())
     print(f"{'mode':15s} {'layout':10s} {'lengths':7s} {'impl':20s} host us/call")
     for fields, fn in cases:
         try:

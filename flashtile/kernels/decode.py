@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import torch
@@ -219,12 +220,11 @@ def _append_slots(pos, t_ok, b, cache_b, BLOCK_TABLE, stride_bt, stride_btc, PAG
 @triton.jit
 def _decode_split(
     Q, K, V, O_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, LEFTPAD, ALIBI, OUT, LSE, K_NEW, V_NEW, COS, SIN,
-    seqlen_k_all, stride_ab, stride_ob, stride_on, stride_oh,
-    stride_qb, stride_qn, stride_qh,
-    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt,
+    seqlen_k_all, capacity, chunk, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_ab, stride_ob, stride_on, stride_oh, stride_qb, stride_qn, stride_qh, stride_bt,
     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
     stride_cos_p, stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro, half_rotary,
-    seqlen_q, nheads_k, group, chunk, num_splits, seqlen_new, capacity, cache_rows,
+    seqlen_q, nheads_k, group, num_splits, seqlen_new, cache_rows,
     qk_scale, window_left, window_right, softcap_scale, softcap_log2,
     HAS_SEQLENS: tl.constexpr, headdim: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -603,6 +603,9 @@ def cached_launch_config(batch: int, nheads_k: int, capacity: int, device: torch
 # which grows every decoding step, among the kernels' runtime arguments: a hint for the
 # launch layer's key (classified each call instead of memoised by value).
 _SPLIT_DYNAMIC = (_decode_split.arg_names.index("seqlen_k_all"),)
+# With them, for a plan serving every key length (:func:`few_rows_plan`), the arguments that
+# follow the length: the capacity, the split's chunk and the K and V strides.
+_SPLIT_SIZED = tuple(range(_SPLIT_DYNAMIC[0], _decode_split.arg_names.index("stride_vh") + 1))
 
 # --- Launch plans ------------------------------------------------------------------------
 # A decoding loop calls with one shape for thousands of steps.  Everything of a launch but
@@ -670,13 +673,14 @@ class _SplitPlan:
 
     __slots__ = ("grid", "options", "tail", "direct", "out_shape", "lse_shape", "part_numel", "dtype",
                  "device", "has_seqlens", "combine_grid", "combine_options", "combine_tail", "split_launch",
-                 "combine_launch")
+                 "sized_launch", "combine_launch", "num_splits", "block_n")
 
     def run(self, q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, leftpad, alibi_slopes, k_new=None,
-            v_new=None, cos=None, sin=None, bound=True):
+            v_new=None, cos=None, sin=None, bound=True, sized=None):
         """``(out, lse)`` of the step; index tensors as the kernel reads them (contiguous, a
         block table's columns at stride 1).  ``bound``: through the bound launchers (not
-        while torch.compile traces)."""
+        while torch.compile traces).  ``sized``: the call's own capacity, chunk and K and V
+        strides (``_SPLIT_SIZED`` after the length), instead of the plan's."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         # The partials, (splits, batch, seqlen_q, nheads, HEAD_DIM) outputs then (splits, batch,
@@ -695,15 +699,23 @@ class _SplitPlan:
                 ph if k_new is None else k_new, ph if v_new is None else v_new, ph if cos is None else cos,
                 ph if sin is None else sin, 0 if self.has_seqlens else seqlens_k)
         if not bound:
-            launch(_decode_split, self.grid, args + self.tail, self.options, dynamic=_SPLIT_DYNAMIC)
+            tail = self.tail if sized is None else sized + self.tail[len(sized):]
+            launch(_decode_split, self.grid, args + tail, self.options, dynamic=_SPLIT_DYNAMIC)
             if not self.direct:
                 launch(_combine_splits, self.combine_grid, (part, out, lse) + self.combine_tail,
                        self.combine_options)
             return out, lse
-        split = self.split_launch
-        if split is None or split.kernel is not _decode_split:
-            split = self.split_launch = bind(_decode_split, self.grid, self.options, args + self.tail,
-                                             _SPLIT_DYNAMIC, tail_from=len(args))
+        if sized is None:
+            split = self.split_launch
+            if split is None or split.kernel is not _decode_split:
+                split = self.split_launch = bind(_decode_split, self.grid, self.options, args + self.tail,
+                                                 _SPLIT_DYNAMIC, tail_from=len(args))
+        else:
+            args += sized
+            split = self.sized_launch
+            if split is None or split.kernel is not _decode_split:
+                split = self.sized_launch = bind(_decode_split, self.grid, self.options,
+                                                 args + self.tail[len(sized):], _SPLIT_SIZED, tail_from=len(args))
         split(args)
         if not self.direct:
             combine = self.combine_launch
@@ -739,7 +751,8 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     plan.out_shape = (batch, seqlen_q, nheads, d)
     plan.lse_shape = (batch, nheads, seqlen_q)
     plan.dtype, plan.device, plan.has_seqlens = q.dtype, q.device, has_seqlens
-    plan.split_launch = plan.combine_launch = None
+    plan.split_launch = plan.sized_launch = plan.combine_launch = None
+    plan.num_splits, plan.block_n = num_splits, block_n
     # The output is allocated contiguous at every call: its strides are those of a fresh tensor
     # (torch's rule: each the product of the later sizes, a size 0 counted as 1).
     out_strides = _contiguous_strides(plan.out_shape)
@@ -749,16 +762,16 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     plan.grid = (batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))
     k_new, v_new = new if new is not None else (None, None)
     cos, sin, interleaved, local = rotary if rotary is not None else (None, None, False, False)
-    head = (
-        mods["stride_ab"], *out_strides[:3], *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_table.stride(0) if paged else 0,
+    # Every argument after the tensors and the shared length: the bound launcher's own tail
+    # (its first eight, ``_SPLIT_SIZED``'s, are a call's own in a plan for every key length).
+    plan.tail = (
+        capacity, chunk, *k_cache.stride()[:3], *v_cache.stride()[:3],
+        mods["stride_ab"], *out_strides[:3], *q.stride()[:3], block_table.stride(0) if paged else 0,
         *(k_new.stride()[:3] if k_new is not None else (0, 0, 0)), *(v_new.stride()[:3] if v_new is not None else (0, 0, 0)),
         *(cos.stride() if cos is not None else (0, 0)), *(sin.stride() if sin is not None else (0, 0)),
         cos.shape[0] if cos is not None else 0, cos.shape[1] if cos is not None else 0,
-        seqlen_q, nheads_k, group, chunk, num_splits)
-    # Every argument after the tensors and the shared length: the bound launcher's own tail.
-    plan.tail = head + (seqlen_new, capacity, k_cache.shape[0], softmax_scale * LOG2E, window_left, window_right,
-                        mods["softcap_scale"], mods["softcap_log2"])
+        seqlen_q, nheads_k, group, num_splits, seqlen_new, k_cache.shape[0], softmax_scale * LOG2E, window_left,
+        window_right, mods["softcap_scale"], mods["softcap_log2"])
     block_t = min(64, max(1, next_power_of_2(seqlen_new)))
     plan.options = dict(
         HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m,
@@ -791,6 +804,66 @@ def step_plan(q, k_cache, v_cache, k, v, block_table, has_seqlens, has_batch_idx
     return _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
                        softmax_scale, window_left, window_right, softcap, num_splits,
                        0 if k is None else k.shape[1], tuning_text, None if k is None else (k, v), rotary)
+
+
+def length_class_unit(knob) -> tuple[int, int]:
+    """``(unit, top)``: cache lengths with one ``min(capacity // unit, top)`` get one launch
+    configuration from :func:`launch_config` (the tiles, stages and split count), all else equal.
+
+    Why: the configuration reads the capacity only through :func:`choose_num_splits`'
+    ``capacity // (min_tiles * block_n)``, where ``min_tiles`` is the knob's or the default and
+    every key tile ``block_n`` is a power of two no narrower than the narrowest knob (or 16, the
+    narrowest the shared-memory fit goes), so ``unit`` divides each ``min_tiles * block_n`` and
+    the floor of the floor is the floor.  From ``top`` on every split count is at its cap of 64."""
+    tiles = (MIN_TILES_PER_SPLIT, knob["min_tiles_per_split"])
+    widths = (16, knob["block_n"], knob["block_n_paged"])
+    unit = max(1, math.gcd(*tiles) * min(widths))
+    return unit, 64 * max(tiles) * max(256, *widths) // unit
+
+
+class _FewRowsPlan:
+    """The split-kernel plan of a dense forward of a few query rows (``engine.split_kv_forward``)
+    for every key length: a model extending its KV cache by a token a step calls with a new
+    length each time, and one length's plan, launcher and compiled variant serve the next.
+    Per length class (:func:`length_class_unit`) one :class:`_SplitPlan`; a call passes its own
+    length, chunk and K and V strides (``_SPLIT_SIZED``)."""
+
+    __slots__ = ("make", "unit", "top", "by_class")
+
+    def run(self, q, k, v, alibi_slopes, bound=True):
+        """``(out, lse)`` of the forward; ``k``, ``v`` of any length and strides (unit last);
+        ``bound`` as in :meth:`_SplitPlan.run`."""
+        n = k.shape[1]
+        length_class = n // self.unit
+        if length_class > self.top:
+            length_class = self.top
+        plan = self.by_class.get(length_class)
+        if plan is None:
+            if len(self.by_class) >= _MAX_PLANS:
+                self.by_class.clear()
+            plan = self.by_class[length_class] = self.make(q, k, v)
+        block_n = plan.block_n
+        chunk = cdiv(cdiv(n, plan.num_splits), block_n) * block_n
+        ks, vs = k.stride(), v.stride()
+        return plan.run(q, k, v, n, None, None, None, alibi_slopes, bound=bound,
+                        sized=(n, chunk, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]))
+
+
+def few_rows_plan(q, k, v, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                  tuning_text: str) -> _FewRowsPlan:
+    """The plan of a dense forward of ``q``'s few rows against ``k``, ``v`` as a full cache (no
+    append, no index tensors) for every key length; the arguments checked by the caller, the
+    scalars and ``alibi_slopes``' shape fixed for the plan."""
+    plan = _FewRowsPlan()
+    plan.unit, plan.top = length_class_unit(TUNING.parse(tuning_text))
+    plan.by_class = {}
+
+    def make(q, k, v):
+        return _split_plan(q, k, v, None, False, False, False, alibi_slopes, softmax_scale, window_left, window_right,
+                           softcap, 0, 0, tuning_text)
+
+    plan.make = make
+    return plan
 
 
 def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, window_left, window_right,

@@ -941,13 +941,17 @@ def test_gpu_direct_forward_calls_the_c_launcher_bitwise_as_the_ordinary_launch(
 
 
 def test_dynamic_hints_name_the_growing_lengths():
-    """The decode launchers' ``dynamic`` positions point at the shared int length (a stale
-    position would only cost speed, not correctness: the hint does not change the key)."""
+    """The decode launchers' ``dynamic`` positions point at the shared int length, and for a
+    plan serving every key length at the arguments a call passes after it (a stale position
+    would only cost speed, not correctness: the hint does not change the key)."""
     import inspect
 
     from flashtile.kernels import decode
 
+    sized = ["seqlen_k_all", "capacity", "chunk", "stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vn",
+             "stride_vh"]
     for kernel, positions, names in ((decode._decode_split, decode._SPLIT_DYNAMIC, ["seqlen_k_all"]),
+                                     (decode._decode_split, decode._SPLIT_SIZED, sized),
                                      (decode._append_kv, decode._APPEND_DYNAMIC, ["seqlen_all"])):
         params = list(inspect.signature(kernel.fn).parameters)
         assert [params[i] for i in positions] == names

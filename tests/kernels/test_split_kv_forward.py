@@ -43,13 +43,13 @@ def routed(monkeypatch):
     monkeypatch.delenv(engine.ENGINE_ENV, raising=False)
     kf.clear_plans()
     calls = []
-    real = kf._split_kv_plan
+    real = kf._few_rows_plan
 
     def counted(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(kf, "_split_kv_plan", counted)
+    monkeypatch.setattr(kf, "_few_rows_plan", counted)
     yield calls
     kf.clear_plans()
 
@@ -113,6 +113,66 @@ def test_dropout_keeps_the_forward_kernel(routed):
     assert not routed
 
 
+def _growing_cache_steps(routed, monkeypatch, dtype, lengths, max_splits):
+    """Forwards of one query row against keys and values as a model growing its cache makes
+    them: a fresh ``(batch, nheads_k, n, d)`` tensor per length, seen transposed, so the
+    length and the batch and head strides change at every call.  The split counts follow
+    the length as the rule makes them (``choose_num_splits``' form, capped at ``max_splits``,
+    so that several splits are reached in the interpreter too, whose device has one SM)."""
+    from flashtile.kernels import decode
+
+    def splits(batch, nheads_k, capacity, device, block_n, programs_per_sm=2, min_tiles=decode.MIN_TILES_PER_SPLIT):
+        return max(1, min(max_splits, capacity // (min_tiles * block_n)))
+
+    monkeypatch.setattr(decode, "choose_num_splits", splits)
+    decode.cached_launch_config.cache_clear()
+    built = []
+    real = decode._split_plan
+    monkeypatch.setattr(decode, "_split_plan", lambda *a, **kw: built.append(a[1].shape[1]) or real(*a, **kw))
+    batch, nheads, nheads_k, d = 2, 4, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, 1, nheads, d, generator=gen).to(DEVICE, dtype)
+    used = set()
+    try:
+        for n in lengths:
+            k, v = (torch.randn(batch, nheads_k, n, d, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+                    for _ in range(2))
+            out, lse = ka.attention_forward(q, k, v, d ** -0.5, -1, 0)
+            ref = reference_attention_grads(q, k, v, torch.zeros_like(out), upcast=True, softmax_scale=d ** -0.5,
+                                            causal=True)
+            low = reference_attention_grads(q, k, v, torch.zeros_like(out), upcast=False, softmax_scale=d ** -0.5,
+                                            causal=True)
+            assert_close_to_reference(out, ref[0], low[0], f"out at n = {n}", atol_floor=FLOOR[dtype])
+            assert_close_to_reference(lse, ref[1], low[1].to(torch.float64), f"lse at n = {n}",
+                                      atol_floor=FLOOR[dtype])
+            plan = kf.lookup_plan(q, k, v, kf.AttentionParams.from_launcher(d ** -0.5, -1, 0, 0.0, None, None))
+            used.add(plan)
+    finally:
+        decode.cached_launch_config.cache_clear()
+    unit, _ = decode.length_class_unit(decode.knobs())
+    assert len(routed) == 1 and len(used) == 1, "one plan for every key length"
+    assert built == sorted({n // unit: n for n in reversed(lengths)}.values()), "one split plan per length class"
+
+
+@needs_kernels
+def test_a_growing_cache_shares_one_plan(routed, monkeypatch):
+    from flashtile.kernels import decode
+
+    unit, _ = decode.length_class_unit(decode.knobs())
+    # Across two class boundaries: one, two and three splits (in the interpreter's 16-key tiles).
+    lengths = [unit - 2, unit - 1, unit, unit + 1, 2 * unit - 1, 2 * unit + 3, 3 * unit + 5]
+    _growing_cache_steps(routed, monkeypatch, torch.float32, lengths, max_splits=3)
+
+
+@pytest.mark.gpu
+def test_gpu_a_growing_cache_shares_one_plan(routed, monkeypatch):
+    from flashtile.kernels import decode
+
+    unit, _ = decode.length_class_unit(decode.knobs())
+    lengths = list(range(4 * unit - 3, 4 * unit + 4)) + [8 * unit + 1, 16 * unit + 7, 64 * unit + 9]
+    _growing_cache_steps(routed, monkeypatch, torch.bfloat16, lengths, max_splits=64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}".format(*c[:6]))
 def test_gpu_few_query_rows_bf16(case, routed):
@@ -122,8 +182,8 @@ def test_gpu_few_query_rows_bf16(case, routed):
 @pytest.mark.gpu
 def test_gpu_public_function_routes_a_decoding_step_and_its_plan(routed):
     """``flash_attn_func`` on a transformers-style decoding step (keys one longer each step, in
-    transposed views): every call routed, within the flash-attn rule of the oracle, one plan per
-    length made at its first call and used by the next."""
+    transposed views): every call routed, within the flash-attn rule of the oracle, one plan
+    for every length, made at the first call."""
     import flashtile
 
     torch.manual_seed(0)
@@ -136,4 +196,4 @@ def test_gpu_public_function_routes_a_decoding_step_and_its_plan(routed):
         ref = reference_attention_grads(q, k, v, torch.zeros_like(q), upcast=True, causal=True)[0]
         low = reference_attention_grads(q, k, v, torch.zeros_like(q), upcast=False, causal=True)[0]
         assert_close_to_reference(out, ref, low, "out", atol_floor=FLOOR[torch.bfloat16])
-    assert len(routed) == 3  # one plan per length, made at its first call
+    assert len(routed) == 1  # one plan for every length, made at the first call

@@ -280,24 +280,24 @@ def clear_plans() -> None:
 
 
 
-def _split_kv_plan(q, k, v, params: AttentionParams):
+def _few_rows_plan(q, k, v, params: AttentionParams, tuning_text: str):
     """The launch plan of a dense forward on the split-KV decode kernel (``engine.split_kv_forward``
-    says when): ``k`` and ``v`` as a cache every sequence fills, no append.  The decode kernel
-    has the forward's semantics -- the queries are the last ``seqlen_q`` positions, so masks are
-    bottom-right aligned; out 0 and LSE ``-inf`` for a row without a visible key -- and writes
-    the LSE as ``(batch, nheads, seqlen_q)`` fp32, what the backward reads."""
+    says when) for calls that differ from this one in the key length and the K and V strides
+    alone (``decode.few_rows_plan``): ``k`` and ``v`` as a cache every sequence fills, no
+    append.  The decode kernel has the forward's semantics -- the queries are the last
+    ``seqlen_q`` positions, so masks are bottom-right aligned; out 0 and LSE ``-inf`` for a row
+    without a visible key -- and writes the LSE as ``(batch, nheads, seqlen_q)`` fp32, what the
+    backward reads."""
     from flashtile.kernels import decode
 
-    plan = decode.step_plan(q, k, v, None, None, None, False, False, False, params.alibi_slopes, params.softmax_scale,
-                            params.window_left, params.window_right, params.softcap, 0, None,
-                            decode.tuning_text(decode.tuning_raw()))
-    seqlen_k = k.shape[1]
+    few = decode.few_rows_plan(q, k, v, params.alibi_slopes, params.softmax_scale, params.window_left,
+                               params.window_right, params.softcap, tuning_text)
 
     def run(q, k, v, params: AttentionParams):
         slopes = params.alibi_slopes
         if slopes is not None and not slopes.is_contiguous():
             slopes = slopes.contiguous()  # the kernel reads (batch,) nheads slopes at stride 1
-        return plan.run(q, k, v, seqlen_k, None, None, None, slopes, bound=not torch.compiler.is_compiling())
+        return few.run(q, k, v, slopes, bound=not torch.compiler.is_compiling())
 
     return run
 
@@ -310,8 +310,6 @@ def _dense_plan(q, k, v, params: AttentionParams):
         return None
     softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
     softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
-    if split_kv_forward(q, k, v, dropout):
-        return _split_kv_plan(q, k, v, params)
     if not (tma_strides(q) and tma_strides(k) and tma_strides(v)):
         return None
     if forward_engine(q, k, dropout, softcap, alibi_slopes) == "gluon":
@@ -393,15 +391,26 @@ def lookup_plan(q, k, v, params: AttentionParams):
         alibi = (alibi.shape, alibi.stride(), alibi.dtype, alibi.device)
     scale, left, right, softcap = params.softmax_scale, params.window_left, params.window_right, params.softcap
     # The scalars by value and type (True == 1 == 1.0 as dict keys, not as launch arguments).
+    scalars = (scale, left, right, softcap, params.dropout_p > 0, alibi, scale.__class__, left.__class__,
+               right.__class__, softcap.__class__, engine_setting())
     key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-           v.dtype, v.device, scale, left, right, softcap, params.dropout_p > 0, alibi, scale.__class__,
-           left.__class__, right.__class__, softcap.__class__, engine_setting())
+           v.dtype, v.device) + scalars
     plan = cache.plans.get(key)
     if plan is not None:
         return plan
-    # A split-KV call builds its plan at once (the general path would build the same one), at
-    # any alignment (the decode kernel reads through pointers, not TMA).
-    return cache.decide(key, lambda: _dense_plan(q, k, v, params), at_once=split_kv_forward(q, k, v, params.dropout),
+    if split_kv_forward(q, k, v, params.dropout):
+        # One plan for every key length and K / V strides (``decode.few_rows_plan``), built at
+        # once, at any alignment (the decode kernel reads through pointers, not TMA).
+        from flashtile.kernels import decode
+
+        raw = decode.tuning_raw()
+        few_key = ("few rows", q.shape, q.stride(), q.dtype, q.device, k.shape[0], k.shape[2], k.shape[3], k.dtype,
+                   k.device, v.shape[0], v.shape[2], v.shape[3], v.dtype, v.device, raw) + scalars
+        plan = cache.plans.get(few_key)
+        if plan is None:
+            plan = cache.decide(few_key, lambda: _few_rows_plan(q, k, v, params, decode.tuning_text(raw)), at_once=True)
+        return plan
+    return cache.decide(key, lambda: _dense_plan(q, k, v, params),
                         ready=not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15)
 
 
@@ -414,7 +423,9 @@ def plan_for(q, k, v, params: AttentionParams):
 def general(q, k, v, params: AttentionParams):
     """:func:`fwd` the general way (no plan)."""
     if split_kv_forward(q, k, v, params.dropout):
-        return _split_kv_plan(q, k, v, params)(q, k, v, params)
+        from flashtile.kernels import decode
+
+        return _few_rows_plan(q, k, v, params, decode.tuning_text(decode.tuning_raw()))(q, k, v, params)
     return _forward(Layout(q, k), q, k, v, params, None)
 
 
