@@ -165,26 +165,19 @@ def func_cases(batch, seqlen, nheads, d, dtype):
 def growing_cases(layers=8, start=4096, nheads=16, nheads_k=4, d=128, dtype=torch.bfloat16):
     """``(record fields, fn)`` for a decode step as transformers' dynamic cache makes it: one
     query row against keys and values one longer every ``layers`` calls (the layers of a step
-    share the length), seen as ``(batch, nheads_k, n, d)`` tensors transposed to flash-attn's
-    layout, so the length and two strides change every step; causal.  Views over one storage
-    stand for the cache's fresh tensors.  Each impl grows its own cache from ``start``."""
+    share the length: ``flashtile.bench.decode.growing_cache_views``); causal.  Each impl grows
+    its own cache from ``start``."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashtile.bench.decode import growing_cache_views
 
     q = torch.randn(1, 1, nheads, d, device="cuda", dtype=dtype)
     storage = torch.randn(2, nheads_k * (start + 20000) * d, device="cuda", dtype=dtype)
 
     def stepper(attend):
-        state = {"call": 0}
-
-        def step():
-            n = start + state["call"] // layers
-            state["call"] += 1
-            k, v = (storage[i, :nheads_k * n * d].as_strided((1, n, nheads_k, d), (nheads_k * n * d, d, n * d, 1))
-                    for i in (0, 1))
-            return attend(k, v)
-
-        return step
+        next_kv = growing_cache_views(storage, start, layers, nheads_k, d)
+        return lambda: attend(*next_kv())
 
     fields = dict(batch=1, nheads=nheads, nheads_k=nheads_k, seqlen_q=1, seqlen_k=start, headdim=d,
                   mode="func growing", layout="dense", lengths="none")

@@ -198,19 +198,12 @@ def growing_cache_decode(dtype, layers=8, start=4096, heads=16, heads_k=4, d=128
     n, d)`` transposed to flash-attn's layout, so their strides change with ``n``), causal; the
     same length for every layer of a step.  Views over one storage stand for the fresh tensors."""
     import flashtile
+    from flashtile.bench.decode import growing_cache_views
 
     q = torch.randn(1, 1, heads, d, dtype=dtype)
     storage = torch.randn(2, heads_k * (start + 10**6) * d, dtype=dtype)
-    state = {"call": 0}
-
-    def step():
-        n = start + state["call"] // layers
-        state["call"] += 1
-        k, v = (storage[i, :heads_k * n * d].as_strided((1, n, heads_k, d), (heads_k * n * d, d, n * d, 1))
-                for i in (0, 1))
-        return flashtile.flash_attn_func(q, k, v, causal=True)
-
-    return step
+    next_kv = growing_cache_views(storage, start, layers, heads_k, d)
+    return lambda: flashtile.flash_attn_func(q, *next_kv(), causal=True)
 
 
 def per_call_us(fn, calls, repeats=5):

@@ -62,6 +62,23 @@ def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, generat
     return pools[0], pools[1], order.view(b, per_seq).to(torch.int32)
 
 
+def growing_cache_views(storage: torch.Tensor, start: int, layers: int, nheads_k: int, d: int):
+    """A function that returns, call after call, ``(k, v)`` as transformers' dynamic cache
+    makes them for a decoding loop: one longer every ``layers`` calls (the layers of a step
+    share the length), starting at ``start``, seen as ``(1, nheads_k, n, d)`` tensors transposed
+    to flash-attn's layout, so the length and two strides change every step.  Views over
+    ``storage`` (``(2, nheads_k * longest * d)``) stand for the cache's fresh tensors."""
+    state = {"call": 0}
+
+    def next_kv():
+        n = start + state["call"] // layers
+        state["call"] += 1
+        return tuple(storage[i, :nheads_k * n * d].as_strided((1, n, nheads_k, d), (nheads_k * n * d, d, n * d, 1))
+                     for i in (0, 1))
+
+    return next_kv
+
+
 def _make_fn(impl, q, k_cache, v_cache, generator):
     """``f() -> out`` for one implementation, with its inputs prepared outside the timing."""
     import torch.nn.functional as F
