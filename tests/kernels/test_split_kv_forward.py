@@ -197,3 +197,29 @@ def test_gpu_public_function_routes_a_decoding_step_and_its_plan(routed):
         low = reference_attention_grads(q, k, v, torch.zeros_like(q), upcast=False, causal=True)[0]
         assert_close_to_reference(out, ref, low, "out", atol_floor=FLOOR[torch.bfloat16])
     assert len(routed) == 1  # one plan for every length, made at the first call
+
+
+@pytest.mark.parametrize("tuning", ["", "block_n=64", "block_n=16", "min_tiles_per_split=4",
+                                    "block_n=256,min_tiles_per_split=2", "narrow_short_caches=0,programs_per_sm_wide=2"])
+def test_length_classes_share_the_launch_configuration(tuning, monkeypatch):
+    """``decode.length_class_unit``'s claim, on an H200's launch rule (132 SMs, its shared
+    memory): every cache length of one class gets the launch configuration of the class's
+    first length, so the class's one split plan is the one each length would have built."""
+    from flashtile.kernels import decode
+
+    monkeypatch.setattr(decode, "INTERPRET", False)
+    monkeypatch.setattr(decode, "sm_count", lambda index: 132)
+    monkeypatch.setattr(decode, "smem_budget", lambda index: decode.DEFAULT_SMEM_BYTES)
+    knob = decode.TUNING.parse(tuning)
+    unit, top = decode.length_class_unit(knob)
+    device = torch.device("cuda", 0)
+    for batch, nheads_k, hd, rows in ((1, 4, 128, 8), (1, 1, 64, 16), (8, 8, 128, 4), (2, 2, 256, 8)):
+        def config(n):
+            return decode.launch_config(batch, nheads_k, n, device, False, hd, rows, 2, knob)
+
+        first = {}
+        for n in list(range(1, 4 * unit, 7)) + [top * unit + i * 977 for i in range(5)]:
+            length_class = min(n // unit, top)
+            want = first.setdefault(length_class, config(n))
+            assert config(n) == want, f"length {n} (class {length_class}) against the class's first length"
+        assert len({c.num_splits for c in first.values()}) > 1  # the lengths span several split counts
