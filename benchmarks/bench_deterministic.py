@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import flashtile
-from flashtile.bench.common import environment, save_figure, save_records, subplots
+from flashtile.bench.common import environment, save_figure, save_records, shape_sweep, subplots
 from flashtile.bench.gpu import attention_flops, time_attention
 from flashtile.kernels.engine import backward_engine
 
@@ -85,22 +85,20 @@ def main():
     args = ap.parse_args()
     env = environment("cuda")
     records = []
-    for d in args.headdims:
-        for causal in map(bool, args.causal):
-            for n in args.seqlens:
-                q, k, v = _inputs(n, d, n)
-                batch, heads = q.shape[0], q.shape[2]
-                flops = attention_flops(batch, heads, n, n, d, causal, "fwd_bwd")
-                ms = {det: time_attention(_fn(causal, det), "fwd_bwd", q, k, v) for det in (False, True)}
-                rec = {"bench": "deterministic", "mode": "fwd_bwd", "dtype": "bfloat16", "batch": batch, "nheads": heads,
-                       "seqlen_q": n, "seqlen_k": n, "headdim": d, "causal": causal}
-                for det in (False, True):
-                    records.append({**rec, "impl": "flashtile_deterministic" if det else "flashtile", "ms": ms[det],
-                                    "tflops": flops / (ms[det] * 1e-3) / 1e12,
-                                    "bwd_path": backward_engine(q, k), **env})
-                print(f"d={d} causal={int(causal)} N={n:5d} default {flops / ms[False] / 1e9:6.1f} "
-                      f"({records[-2]['bwd_path']}), deterministic {flops / ms[True] / 1e9:6.1f} "
-                      f"({records[-1]['bwd_path']}) TFLOP/s, ratio {ms[False] / ms[True]:.3f}", flush=True)
+    for d, causal, n in shape_sweep(args.headdims, args.causal, args.seqlens):
+        q, k, v = _inputs(n, d, n)
+        batch, heads = q.shape[0], q.shape[2]
+        flops = attention_flops(batch, heads, n, n, d, causal, "fwd_bwd")
+        ms = {det: time_attention(_fn(causal, det), "fwd_bwd", q, k, v) for det in (False, True)}
+        rec = {"bench": "deterministic", "mode": "fwd_bwd", "dtype": "bfloat16", "batch": batch, "nheads": heads,
+               "seqlen_q": n, "seqlen_k": n, "headdim": d, "causal": causal}
+        for det in (False, True):
+            records.append({**rec, "impl": "flashtile_deterministic" if det else "flashtile", "ms": ms[det],
+                            "tflops": flops / (ms[det] * 1e-3) / 1e12,
+                            "bwd_path": backward_engine(q, k), **env})
+        print(f"d={d} causal={int(causal)} N={n:5d} default {flops / ms[False] / 1e9:6.1f} "
+              f"({records[-2]['bwd_path']}), deterministic {flops / ms[True] / 1e9:6.1f} "
+              f"({records[-1]['bwd_path']}) TFLOP/s, ratio {ms[False] / ms[True]:.3f}", flush=True)
     n, d, causal = args.repeat_shape
     differing = differing_repeats(n, d, bool(causal), args.repeats)
     print(f"bitwise: {differing} of {args.repeats - 1} repeats differ from the first (N={n}, d={d}, causal={causal})")

@@ -26,7 +26,7 @@ import json
 import torch
 import triton
 
-from flashtile.bench.common import environment
+from flashtile.bench.common import environment, shape_sweep
 from flashtile.bench.gpu import engine_for, impl_fn
 from flashtile.kernels import attention as ka
 from flashtile.kernels.hopper import attention_fwd as hopper
@@ -75,39 +75,37 @@ def main():
     args = ap.parse_args()
     env = environment("cuda")
     records = []
-    for d in args.headdims:
-        for causal in map(bool, args.causal):
-            for n in args.seqlens:
-                batch, heads = 16384 // n, 2048 // d
-                gen = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-                           for _ in range(3))
-                impls = {"gluon": _gluon(None, causal)}
-                for spec in args.variants:
-                    impls[f"gluon:{spec}"] = _gluon(hopper.config_from_spec(padded_headdim(d), spec), causal)
-                for text in args.configs:
-                    impls[f"gluon[{text}]"] = _gluon(parse_config(text), causal)
-                for peer in args.peers:
-                    impls[peer] = _triton(causal) if peer == "triton" else impl_fn(peer, causal, d)
-                ref = impl_fn("sdpa_cudnn", causal, d)(q, k, v).float()
-                flops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
-                row = {}
-                for name, fn in impls.items():
-                    try:
-                        out = fn(q, k, v)
-                        err = (out.float() - ref).abs().max().item()
-                        ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
-                    except Exception as e:  # a variant that fails to build or launch is reported, not fatal
-                        print(f"{name} d={d} causal={causal} N={n}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                        continue
-                    rec = {"bench": "hopper_fwd", "impl": name, "mode": "fwd", "dtype": "bfloat16", "batch": batch,
-                           "seqlen": n, "nheads": heads, "headdim": d, "causal": causal, "ms": ms,
-                           "tflops": flops / ms * 1e-9, "max_abs_err_vs_cudnn": err, **env}
-                    records.append(rec)
-                    row[name] = rec["tflops"]
-                cudnn = row.get("sdpa_cudnn", float("nan"))
-                print(f"d={d:3d} causal={int(causal)} N={n:5d} " + " ".join(
-                    f"{k}={t:6.1f}({t / cudnn:.2f})" for k, t in row.items()), flush=True)
+    for d, causal, n in shape_sweep(args.headdims, args.causal, args.seqlens):
+        batch, heads = 16384 // n, 2048 // d
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
+        impls = {"gluon": _gluon(None, causal)}
+        for spec in args.variants:
+            impls[f"gluon:{spec}"] = _gluon(hopper.config_from_spec(padded_headdim(d), spec), causal)
+        for text in args.configs:
+            impls[f"gluon[{text}]"] = _gluon(parse_config(text), causal)
+        for peer in args.peers:
+            impls[peer] = _triton(causal) if peer == "triton" else impl_fn(peer, causal, d)
+        ref = impl_fn("sdpa_cudnn", causal, d)(q, k, v).float()
+        flops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
+        row = {}
+        for name, fn in impls.items():
+            try:
+                out = fn(q, k, v)
+                err = (out.float() - ref).abs().max().item()
+                ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+            except Exception as e:  # a variant that fails to build or launch is reported, not fatal
+                print(f"{name} d={d} causal={causal} N={n}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            rec = {"bench": "hopper_fwd", "impl": name, "mode": "fwd", "dtype": "bfloat16", "batch": batch,
+                   "seqlen": n, "nheads": heads, "headdim": d, "causal": causal, "ms": ms,
+                   "tflops": flops / ms * 1e-9, "max_abs_err_vs_cudnn": err, **env}
+            records.append(rec)
+            row[name] = rec["tflops"]
+        cudnn = row.get("sdpa_cudnn", float("nan"))
+        print(f"d={d:3d} causal={int(causal)} N={n:5d} " + " ".join(
+            f"{k}={t:6.1f}({t / cudnn:.2f})" for k, t in row.items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             for r in records:

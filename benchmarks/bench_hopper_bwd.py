@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from flashtile.bench.common import environment
+from flashtile.bench.common import environment, shape_sweep
 from flashtile.bench.gpu import attention_flops, impl_fn, time_attention
 from flashtile.kernels.engine import ENGINE_ENV
 from flashtile.kernels.hopper import attention_bwd, configured
@@ -70,21 +70,19 @@ def main():
     env = environment("cuda")
     rows = [("gluon", "")] + [("gluon", v) for v in args.variants] + [(p, "") for p in args.peers]
     records = []
-    for d in args.headdims:
-        for causal in map(bool, args.causal):
-            for n in args.seqlens:
-                b, h = max(1, 16384 // n), 2048 // d
-                q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                flops = attention_flops(b, h, n, n, d, causal, "fwd_bwd")
-                line = []
-                for impl, variant in rows:
-                    ms = _timed(impl, variant, causal, q, k, v)
-                    name = impl + (f":{variant}" if variant else "")
-                    line.append(f"{name}={flops / ms / 1e9:.0f}")
-                    records.append(dict(bench="hopper_bwd", impl=name, mode="fwd_bwd", dtype="bfloat16", batch=b,
-                                        nheads=h, seqlen_q=n, seqlen_k=n, headdim=d, causal=causal, ms=ms,
-                                        tflops=flops / ms / 1e9, **env))
-                print(d, int(causal), n, " ".join(line), flush=True)
+    for d, causal, n in shape_sweep(args.headdims, args.causal, args.seqlens):
+        b, h = max(1, 16384 // n), 2048 // d
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = attention_flops(b, h, n, n, d, causal, "fwd_bwd")
+        line = []
+        for impl, variant in rows:
+            ms = _timed(impl, variant, causal, q, k, v)
+            name = impl + (f":{variant}" if variant else "")
+            line.append(f"{name}={flops / ms / 1e9:.0f}")
+            records.append(dict(bench="hopper_bwd", impl=name, mode="fwd_bwd", dtype="bfloat16", batch=b,
+                                nheads=h, seqlen_q=n, seqlen_k=n, headdim=d, causal=causal, ms=ms,
+                                tflops=flops / ms / 1e9, **env))
+        print(d, int(causal), n, " ".join(line), flush=True)
     if args.out:
         with open(args.out, "a") as f:
             for r in records:

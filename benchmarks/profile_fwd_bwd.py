@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashtile
-from flashtile.bench.common import environment, write_jsonl
+from flashtile.bench.common import environment, shape_sweep, write_jsonl
 from flashtile.kernels.engine import ENGINE_ENV
 
 STEPS = 5
@@ -80,16 +80,14 @@ def main():
     args = ap.parse_args()
     env = environment("cuda")
     records = []
-    for d in args.headdims:
-        for causal in map(bool, args.causal):
-            for n in args.seqlens:
-                for engine in args.engines:
-                    rec = profile_shape(engine, d, n, causal)
-                    records.append({"bench": "profile_fwd_bwd", "mode": "fwd_bwd", "dtype": "bfloat16", **rec, **env})
-                    print(f"d={d} causal={int(causal)} N={n:5d} {engine:6s} wall {rec['wall_us']:8.1f} us, kernels "
-                          f"{rec['kernel_us']:8.1f} us, idle {rec['idle_us']:8.1f} us", flush=True)
-                    for name, x in list(rec["kernels"].items())[:8]:
-                        print(f"    {x['device_us']:8.1f} us  x{x['count']:4.1f}  {name[:90]}", flush=True)
+    for d, causal, n in shape_sweep(args.headdims, args.causal, args.seqlens):
+        for engine in args.engines:
+            rec = profile_shape(engine, d, n, causal)
+            records.append({"bench": "profile_fwd_bwd", "mode": "fwd_bwd", "dtype": "bfloat16", **rec, **env})
+            print(f"d={d} causal={int(causal)} N={n:5d} {engine:6s} wall {rec['wall_us']:8.1f} us, kernels "
+                  f"{rec['kernel_us']:8.1f} us, idle {rec['idle_us']:8.1f} us", flush=True)
+            for name, x in list(rec["kernels"].items())[:8]:
+                print(f"    {x['device_us']:8.1f} us  x{x['count']:4.1f}  {name[:90]}", flush=True)
     if args.out:
         write_jsonl(args.out, records)
 

@@ -277,6 +277,13 @@ class OtherCpuLoad:
         return False
 
 
+
+def shape_sweep(headdims, causal, seqlens):
+    """``(headdim, causal, seqlen)`` of a benchmark's ``--headdims`` / ``--causal`` (0 / 1) /
+    ``--seqlens`` sweep, in that nesting order (head dim outermost)."""
+    return [(d, bool(c), n) for d in headdims for c in causal for n in seqlens]
+
+
 def compile_for_benchmark(fn):
     """``torch.compile(fn, dynamic=False)`` with dynamo's recompile limit raised: a benchmark
     compiles once per shape, and past the default limit dynamo silently falls back to eager."""
