@@ -29,7 +29,8 @@ triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=tor
 
 # Backward cases: ("bwd", d, n, heads, causal, configuration spec: "" or one of attention_bwd.ALTERNATIVES,
 # deterministic: the Gluon kernel without dQ, ``attention_bwd.deterministic_config``).
-CASES = [(64, 600, 32, False, False), (128, 700, 24, True, False), (256, 300, 40, True, False),
+# Forward cases: (d, n, heads, causal, varlen), in ``config_for``'s default (three consumers at d = 64).
+CASES = [(64, 600, 32, False, False), (64, 700, 24, True, False), (128, 700, 24, True, False), (256, 300, 40, True, False),
          (128, 500, 24, False, True), ("bwd", 128, 300, 4, True, "", False), ("bwd", 64, 300, 4, False, "", False),
          ("bwd", 128, 300, 4, True, "", True)]
 CASES += [("bwd", 128, 300, 4, True, spec, False) for spec in attention_bwd.ALTERNATIVES]

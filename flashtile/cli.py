@@ -78,7 +78,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
         for i in range(torch.cuda.device_count()):
             reason = gluon_device_reason(i)
-            engine = "tl.* kernels" if reason else "Gluon (head dims 65-256, fp16/bf16), else tl.* kernels"
+            engine = "tl.* kernels" if reason else "Gluon (head dims 33-256, fp16/bf16), else tl.* kernels"
             lines.append((f"forward engine cuda:{i}",
                           f"{engine}  ({ENGINE_ENV}={requested_engine()}{'; ' + reason if reason else ''})"))
         if requested_engine() == "auto":

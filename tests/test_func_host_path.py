@@ -341,7 +341,8 @@ def test_stubbed_plans_launch_what_the_general_path_launches(stubbed, monkeypatc
     assert len(forward.cache.plans) == 1 and next(iter(forward.cache.plans.values())) is not forward.NO_PLAN
     planned, again, general = launches
     assert planned == again == general
-    gluon = engine == "auto" and d > 64 and case in ("full", "causal", "window")
+    # 130 query rows with a mask are short masked: at d = 64 auto keeps them on tl.*.
+    gluon = engine == "auto" and (case == "full" or (case in ("causal", "window") and d > 64))
     assert (planned[0] == "attention_fwd_kernel") == gluon
 
 
@@ -413,7 +414,7 @@ def _planned_case(monkeypatch, d, engine, case):
 
     from flashtile.kernels.attention import forward
 
-    if engine == "auto" and case != "full" and d == 128:
+    if engine == "auto" and case != "full":
         pytest.skip("the Gluon engine takes no ALiBi or dropout")
     monkeypatch.setenv("FLASHTILE_ENGINE", engine)
     q, k, v = _qkv((1, 128, 8, d), (1, 128, 8, d), dtype=torch.bfloat16)
@@ -455,7 +456,7 @@ def test_stubbed_planned_calls_launch_directly_what_the_ordinary_launch_got(monk
     assert len(ordinary) in (1, 2) and len(ordinary) + len(direct) == 4
     assert all(o == ordinary[0] for o in ordinary)
     name, grid, args, options = ordinary[0]
-    assert (name == "attention_fwd_kernel") == (engine == "auto" and d == 128)
+    assert (name == "attention_fwd_kernel") == (engine == "auto")
     for call in direct:
         assert tuple(call[:3]) == (grid + (1, 1))[:3]
         assert _describe(call[9:9 + len(args)], inputs) == args

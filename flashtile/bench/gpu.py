@@ -146,13 +146,14 @@ def time_attention(fn, mode, q, k, v):
     return triton.testing.do_bench(step, warmup=5, rep=25, grad_to_none=[q, k, v], return_mode="median")
 
 
-def _engine_field(impl, q, k) -> dict:
+def _engine_field(impl, q, k, causal) -> dict:
     """``{"path": ..., "bwd_path": ...}`` for flashtile's records: which engine ("gluon" or
     "triton") the forward and the backward ran on."""
     if impl == "flashtile":
-        from flashtile.kernels.engine import backward_engine, forward_engine
+        from flashtile.kernels.engine import backward_engine, forward_engine, short_masked
 
-        return {"path": forward_engine(q, k), "bwd_path": backward_engine(q, k)}
+        short = short_masked(q.shape[1], -1, 0 if causal else -1)
+        return {"path": forward_engine(q, k, short=short), "bwd_path": backward_engine(q, k)}
     if impl == "flashtile_triton":
         return {"path": "triton", "bwd_path": "triton"}
     return {}
@@ -225,7 +226,7 @@ def run_gpu_benchmark(
                 records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 continue
             tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode) / (ms * 1e-3) / 1e12
-            records.append(dict(rec, ms=ms, tflops=tflops, **_engine_field(impl, q, k)))
+            records.append(dict(rec, ms=ms, tflops=tflops, **_engine_field(impl, q, k, causal)))
             del q, k, v
             torch.cuda.empty_cache()
     except KeyboardInterrupt:  # a run cut short (Ctrl-C, a time limit's SIGINT) keeps what it measured

@@ -5,16 +5,14 @@ Two engines compute the same attention on CUDA tensors:
 * ``gluon`` -- the Hopper kernels of ``flashtile/kernels/hopper/`` (warp-specialised,
   asynchronous wgmma), where they cover the call and are the faster engine: an sm_90 GPU,
   Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout, softcap, ALiBi or paged
-  keys -- and
-  ``auto`` sends it head dims 65-256 only: at 64 and below the two engines measured within
-  run-to-run noise of each other on an H200, the ``tl.*`` one ahead at N = 1k (Gluon 364 /
-  446 / 462 against ``tl.*`` 394 / 415 / 414 TFLOP/s at N = 1k / 4k / 16k; docs/tuning.md);
+  keys.  At d = 64 its three-consumer tiles measured 1.01-1.12x cuDNN non-causal on an
+  H200, against 0.89-0.96x for the ``tl.*`` forward (N = 1k-16k; docs/tuning.md); ``auto``
+  leaves it short masked calls at head dims up to 64 (``short_masked``);
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
 The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi), which
-``auto`` takes where it can run the call from head dim 65, as for the forward
-(``backward_engine``).
+``auto`` takes where it can run the call from head dim 65 (``backward_engine``).
 The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
 the ``tl.*`` one (``fp8_forward_engine``).
 
@@ -44,9 +42,9 @@ ENGINE_KNOBS = register_family("engine", "FLASHTILE_ENGINE", {
                    choices=ENGINES),
 })
 ENGINE_ENV = ENGINE_KNOBS.env_var
-# The Gluon forward runs head dims 33-256 (forced with FLASHTILE_ENGINE=gluon); auto sends
-# it, and the Gluon backward, head dims from 65 only: at 64 and below neither engine is ahead
-# beyond noise in either direction (docs/tuning.md).
+# The Gluon forward runs head dims 33-256; auto sends the Gluon backward head dims from 65
+# only: at 64 and below neither backward is ahead beyond noise in either direction
+# (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
 GLUON_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128.
@@ -113,14 +111,31 @@ def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: flo
     return None
 
 
+# A causal or windowed forward with fewer query rows than this is "short masked": at head dims
+# up to 64 the Gluon forward's three-consumer tiles (192 query rows) cut the diagonal too
+# coarsely there, and its two-consumer tiles measured slower than the ``tl.*`` forward (d = 64,
+# N = 1k causal, H200: 0.91 against 0.97 of cuDNN in one run; docs/tuning.md), so ``auto``
+# keeps such calls on ``tl.*`` and a forced Gluon forward runs them with two consumers.
+SHORT_MASKED_ROWS = 2048
+# Head dims up to this take the Gluon forward's three consumers (``attention_fwd.config_for``).
+GLUON_THREE_CONSUMERS_MAX_HEADDIM = 64
+
+
+def short_masked(seqlen_q: int, window_left: int, window_right: int) -> bool:
+    """Whether a forward of ``seqlen_q`` query rows (a packed batch's longest) with this
+    window (``-1``: unbounded on that side; causal is ``window_right = 0``) is short masked."""
+    return (window_left >= 0 or window_right >= 0) and seqlen_q < SHORT_MASKED_ROWS
+
+
 def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
-                   paged: bool = False) -> str:
-    """``"gluon"`` or ``"triton"`` for an attention forward on ``q``'s device."""
+                   paged: bool = False, short: bool = False) -> str:
+    """``"gluon"`` or ``"triton"`` for an attention forward on ``q``'s device (``short``: the
+    call is :func:`short_masked`)."""
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
     reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes, paged)
-    if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_AUTO_MIN_HEADDIM):
+    if reason is None and (wanted == "gluon" or not (short and q.shape[-1] <= GLUON_THREE_CONSUMERS_MAX_HEADDIM)):
         return "gluon"
     if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon forward cannot run this call: {reason}")

@@ -26,6 +26,15 @@ def test_unknown_engine_is_a_value_error(monkeypatch):
         engine.forward_engine(torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64))
 
 
+def test_short_masked_calls_are_masked_ones_with_few_query_rows():
+    rows = engine.SHORT_MASKED_ROWS
+    assert engine.short_masked(rows - 1, -1, 0)  # causal
+    assert engine.short_masked(1, 128, -1)  # a left window alone
+    assert engine.short_masked(1000, 3, 3)
+    assert not engine.short_masked(rows, -1, 0)
+    assert not engine.short_masked(1, -1, -1)  # no mask
+
+
 def test_reasons_cover_what_the_gluon_forward_lacks():
     q = torch.zeros(1, 4, 2, 128)
     assert "CUDA" in engine.gluon_forward_reason(q, q, None, 0.0, None)
@@ -49,7 +58,15 @@ def test_auto_rule_on_hopper(monkeypatch):
     make = lambda d, dtype=torch.bfloat16: torch.zeros(1, 4, 2, d, device="cuda", dtype=dtype)  # noqa: E731
     assert engine.forward_engine(make(128), make(128)) == "gluon"
     assert engine.forward_engine(make(256), make(256)) == "gluon"
-    assert engine.forward_engine(make(64), make(64)) == "triton"
+    assert engine.forward_engine(make(64), make(64)) == "gluon"
+    assert engine.forward_engine(make(40), make(40)) == "gluon"
+    assert engine.forward_engine(make(32), make(32)) == "triton"
+    # A short masked call stays on tl.* at head dims up to 64, not above.
+    assert engine.forward_engine(make(64), make(64), short=True) == "triton"
+    assert engine.forward_engine(make(128), make(128), short=True) == "gluon"
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    assert engine.forward_engine(make(64), make(64), short=True) == "gluon"
+    monkeypatch.delenv(engine.ENGINE_ENV)
     assert engine.forward_engine(make(128, torch.float32), make(128, torch.float32)) == "triton"
     assert engine.forward_engine(make(128), make(128), softcap=5.0) == "triton"
     assert engine.backward_engine(make(128), make(128)) == "gluon"

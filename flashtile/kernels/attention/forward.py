@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, fast_descriptor, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import engine_setting, forward_engine, split_kv_forward
+from flashtile.kernels.engine import engine_setting, forward_engine, short_masked, split_kv_forward
 from flashtile.kernels.launch import constant as launch_constant
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
@@ -212,8 +212,8 @@ _FWD_BOUND_DYNAMIC = tuple(_attn_fwd.arg_names.index(name) for name in ("dropout
 def _forward(layout, q, k, v, params: AttentionParams, config):
     softmax_scale, window_left, window_right = params.softmax_scale, params.window_left, params.window_right
     softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
-    if config is None and forward_engine(q, k, dropout, softcap, alibi_slopes,
-                                         paged=layout.block_table is not None) == "gluon":
+    if config is None and forward_engine(q, k, dropout, softcap, alibi_slopes, paged=layout.block_table is not None,
+                                         short=short_masked(layout.seqlen_q, window_left, window_right)) == "gluon":
         from flashtile.kernels.hopper import attention_fwd
 
         return attention_fwd.forward(layout, q, k, v, softmax_scale, window_left, window_right)
@@ -312,7 +312,8 @@ def _dense_plan(q, k, v, params: AttentionParams):
     softcap, alibi_slopes, dropout = params.softcap, params.alibi_slopes, params.dropout
     if not (tma_strides(q) and tma_strides(k) and tma_strides(v)):
         return None
-    if forward_engine(q, k, dropout, softcap, alibi_slopes) == "gluon":
+    if forward_engine(q, k, dropout, softcap, alibi_slopes,
+                      short=short_masked(q.shape[1], window_left, window_right)) == "gluon":
         from flashtile.kernels.hopper import attention_fwd
 
         return attention_fwd.dense_plan(q, k, v, softmax_scale, window_left, window_right)

@@ -47,10 +47,18 @@ def configured(config_for, spec: str):
 
 class RegisterBudget:
     """The register cap of a Hopper configuration (a dataclass with ``consumer_regs`` and
-    ``producer_regs``): two consumer warpgroups and a producer warp (padded to a warpgroup)."""
+    ``producer_regs``, and ``consumers`` where it has other than two): the consumer warpgroups
+    and a producer warp (padded to a warpgroup)."""
+
+    consumers = 2
 
     @property
     def maxnreg(self) -> int:
         # The kernel-wide cap from which ``warp_specialize`` carves each partition's budget:
-        # the three warpgroups' mean, rounded down to a multiple of 8.
-        return (2 * self.consumer_regs + self.producer_regs) // 3 // 8 * 8
+        # Triton gives the workers their requests and the default partition (the first
+        # consumer) what the cap leaves, so the cap is the warpgroups' mean, rounded up to a
+        # multiple of 8 (down, the first consumer would get less than the others), within
+        # the SM's 64K registers.
+        warpgroups = self.consumers + 1
+        mean = -(-(self.consumers * self.consumer_regs + self.producer_regs) // warpgroups)
+        return min(-(-mean // 8) * 8, 65536 // (128 * warpgroups) // 8 * 8)

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from flashtile.kernels.hopper import RegisterBudget, configured
-from flashtile.kernels.hopper.attention_fwd import descriptor
+from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.hopper.tma_reduce import async_reduce_add
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask, query_tiles

@@ -61,6 +61,10 @@ class HopperFp8Config(RegisterBudget):
     def block_m(self) -> int:
         return 2 * CONSUMER_ROWS.value
 
+    @property
+    def query_box_rows(self) -> int:
+        return CONSUMER_ROWS.value
+
 
 @functools.lru_cache(maxsize=None)
 def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
@@ -119,7 +123,7 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
         v_t = wgmma_key_order(v_t)
     programs = min(num_items, sm_count(q.device.index))
     attention_fwd_kernel[(programs,)](
-        _descriptor(q, [1, cfg.block_m, 1, hd]), _descriptor(k, [1, cfg.block_n, 1, hd]),
+        _descriptor(q, [1, cfg.query_box_rows, 1, hd]), _descriptor(k, [1, cfg.block_n, 1, hd]),
         _descriptor(v_t, [1, 1, hd, cfg.block_n]), out, lse, lse, lse, descales,
         out.stride(0), out.stride(1), out.stride(2), nheads * seqlen_q, seqlen_q, descales.stride(0),
         descales.stride(1), seqlen_q, seqlen_k, seqlen_q, nheads, nheads // nheads_k, d, softmax_scale * LOG2E,

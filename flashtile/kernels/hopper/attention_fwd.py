@@ -1,23 +1,24 @@
-"""FlashAttention forward for Hopper in Gluon: a TMA producer warp and two consumer warpgroups.
+"""FlashAttention forward for Hopper in Gluon: a TMA producer warp and two or three consumer warpgroups.
 
-A work item is a ``BLOCK_M = 128``-row query tile of one (batch, head); with a persistent
-grid each program runs its items in turn (dealt round-robin, see ``work_item``), split between
-three partitions that share shared memory and talk through mbarriers:
+A work item is a ``BLOCK_M``-row query tile of one (batch, head), 64 rows per consumer
+(``BLOCK_M = 128`` with two, 192 with three: ``config_for``); with a persistent grid each
+program runs its items in turn (dealt round-robin, see ``work_item``), split between
+partitions that share shared memory and talk through mbarriers:
 
 * **producer** (1 warp, few registers): per item, TMA-loads the query tile once its buffer
   is free (``Q_BUFFERS`` of them: with two, the next item's tile arrives while the consumers
-  finish this one), then streams the key and value tiles through a ``NUM_STAGES``-deep ring
-  of shared-memory slots that runs on across items.  Each slot has a *ready* barrier (TMA
-  completion, byte-counted) and an *empty* barrier (both consumers have finished reading
-  it), and so has each query buffer.
-* **two consumers** (one warpgroup each, most of the registers): each owns 64 of the 128
-  query rows and keeps its running softmax state -- row max ``m``, row sum ``l`` and the
+  finish this one; a tile is one 64-row box per consumer), then streams the key and value
+  tiles through a ``NUM_STAGES``-deep ring of shared-memory slots that runs on across items.
+  Each slot has a *ready* barrier (TMA completion, byte-counted) and an *empty* barrier (every
+  consumer has finished reading it), and so has each query buffer.
+* **consumers** (one warpgroup each, most of the registers): each owns 64 of the query rows
+  and keeps its running softmax state -- row max ``m``, row sum ``l`` and the
   un-normalised fp32 accumulator -- in registers.  Per key tile ``j`` a consumer issues
   ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` back to back as asynchronous wgmma, waits
   only for ``S_j``, and runs the online-softmax update of tile ``j`` while the tensor cores
   still work on ``P_{j-1} V_{j-1}``.  ``P`` stays in registers as the A operand of its wgmma.
-  With ``PINGPONG`` the two consumers also take turns issuing their GEMMs (a pair of
-  mbarriers passes the turn), so one warpgroup's softmax runs under the other's GEMMs.
+  With ``PINGPONG`` the consumers also take turns issuing their GEMMs (a ring of mbarriers
+  passes the turn), so one warpgroup's softmax runs under the others' GEMMs.
 
 The masking rules are flashtile's: ``key_tiles`` decides which key tiles a query tile
 visits and which of them need an element-wise mask, ``band_mask`` decides visibility inside
@@ -47,19 +48,20 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtile.kernels import engine
 from flashtile.kernels.hopper import RegisterBudget, configured
+from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
 from flashtile.kernels.tile_info import dealt_tile, sequence_bounds, work_schedule
-from flashtile.kernels.tma import DescriptorTemplate, checks_pass, padded_headdim
+from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-# Query rows per consumer warpgroup: the M of one wgmma; a query tile is two consumers' rows.
+# Query rows per consumer warpgroup: the M of one wgmma; a query tile is two or three consumers' rows.
 CONSUMER_ROWS: gl.constexpr = gl.constexpr(64)
 
 
@@ -91,15 +93,17 @@ def work_item(t, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_s
 
 
 @gluon.jit
-def _producer(Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-              CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
-              section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              FP8: gl.constexpr):
+def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr):
     """Per work item: the query tile into buffer ``it % Q_BUFFERS`` once it is free (with two,
     the next item's tile loads while the consumers still work on this one), then K_j and V_j
-    into ring slot ``count % NUM_STAGES`` once both consumers have released it (``count`` runs
+    into ring slot ``count % NUM_STAGES`` once every consumer has released it (``count`` runs
     across items).  FP8 reads V transposed, ``(batch, nheads_k, headdim, seqlen_k)``."""
+    (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+     CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
+     section_heads) = args
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // CONSUMER_ROWS
+    Q_BYTES: gl.constexpr = Q_desc.block_type.nbytes * NUM_CONSUMERS
     count = 0
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -115,8 +119,11 @@ def _producer(Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, 
         else:
             if VARLEN:
                 b = 0  # packed tensors are one batch entry of the descriptors
-            mbarrier.expect(q_ready.index(qb), Q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0, h, 0], q_ready.index(qb), q_bufs.index(qb))
+            # One box per consumer's rows (a TMA box's sides are powers of two; 3 x 64 is not).
+            mbarrier.expect(q_ready.index(qb), Q_BYTES)
+            for i in gl.static_range(NUM_CONSUMERS):
+                tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0 + i * CONSUMER_ROWS, h, 0], q_ready.index(qb),
+                                                q_bufs.index(qb * NUM_CONSUMERS + i))
             for j in range(n_tiles):
                 slot = count % NUM_STAGES
                 free_phase = ((count // NUM_STAGES) & 1) ^ 1
@@ -160,7 +167,7 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
 
 @gluon.jit
 def issue_turn(turn_bar, count, PINGPONG: gl.constexpr):
-    # Ping-pong: wait until the other consumer has issued its GEMMs of the same step.
+    # Ping-pong: wait until the consumer before this one in the ring has issued its GEMMs.
     if PINGPONG:
         mbarrier.wait(turn_bar, count & 1)
 
@@ -183,15 +190,15 @@ def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn,
-              O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-              stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-              window_left, window_right, num_items, section_heads, row_off,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr,
-              KEY_ORDER: gl.constexpr):
-    """Rows ``[row_off, row_off + 64)`` of each query tile: the pipelined online-softmax loop.
+def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr):
+    """Rows ``[64 * INDEX, 64 * INDEX + 64)`` of each query tile: the pipelined online-softmax loop.
+
+    ``args`` are the kernel's buffers, barriers and runtime arguments, the same for every
+    consumer (the tuple the kernel builds once; the tile sizes are read from the buffers'
+    shapes, since a tuple carries no constexpr); ``INDEX`` is this consumer's place among the
+    ``BLOCK_M // 64``.  With ``PINGPONG`` consumer ``INDEX`` waits on turn barrier ``INDEX``
+    and hands the turn to the next one (the last to the first).
 
     With ``FP8`` (e4m3 inputs, see ``attention_fp8.py``): the (batch, kv head)'s descales
     ``DESCALES[0 / 1 / 2, b, hk]`` scale the scores and the output, P is cast to e4m3 after
@@ -199,7 +206,22 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
     tile's P V is a fresh wgmma accumulator added in fp32 (the FP8 wgmma accumulates at
     reduced precision, so chaining tiles in it drops a long row's small terms).
     """
+    (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
+     O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+     stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+     window_left, window_right, num_items, section_heads) = args
+    # Buffers: turns [NUM_CONSUMERS, 1], q [Q_BUFFERS * NUM_CONSUMERS, 1, 64, 1, HEAD_DIM] (a
+    # query tile is NUM_CONSUMERS consecutive ones), k [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM].
     ROWS: gl.constexpr = CONSUMER_ROWS
+    NUM_CONSUMERS: gl.constexpr = turns.shape[0]
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS
+    Q_BUFFERS: gl.constexpr = q_bufs.shape[0] // NUM_CONSUMERS
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    HEAD_DIM: gl.constexpr = k_bufs.shape[4]
+    row_off: gl.constexpr = INDEX * ROWS
+    my_turn = turns.index(INDEX)
+    their_turn = turns.index((INDEX + 1) % NUM_CONSUMERS)
     dtype: gl.constexpr = q_bufs.dtype
     # The K step of one wgmma: 32 one-byte elements, 16 two-byte ones.
     K_STEP: gl.constexpr = 32 if FP8 else 16
@@ -234,7 +256,7 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_read
         if n_tiles < 0:
             mbarrier.arrive(q_empty_b, count=1)
         else:
-            q = q_bufs.index(qb).reshape([BLOCK_M, HEAD_DIM]).slice(row_off, ROWS, dim=0)
+            q = q_bufs.index(qb * NUM_CONSUMERS + INDEX).reshape([ROWS, HEAD_DIM])
             offs_m = m0 + row_off + gl.arange(0, ROWS, layout=row_layout)
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
@@ -341,7 +363,8 @@ def attention_fwd_kernel(
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
     dtype: gl.constexpr = Q_desc.dtype
-    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS] + Q_desc.block_type.shape, Q_desc.layout)
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // CONSUMER_ROWS
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS] + Q_desc.block_type.shape, Q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + K_desc.block_type.shape, K_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + V_desc.block_type.shape, V_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -350,38 +373,43 @@ def attention_fwd_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a query tile
+        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)  # every consumer releases a query tile
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
-    # Consumer 0 issues first: its turn barrier completes phase 0 now, consumer 1's when
-    # consumer 0 hands over.
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(turns.index(i), count=1)
+    # Consumer 0 issues first: its turn barrier completes phase 0 now, each other consumer's
+    # when the one before it hands over.
     mbarrier.arrive(turns.index(0), count=1)
 
-    ROWS: gl.constexpr = CONSUMER_ROWS
-    gl.warp_specialize([
-        (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(0),
-                     turns.index(1), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                     stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-                     window_left, window_right, num_items, section_heads, 0, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
-                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
-        (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns.index(1),
-                     turns.index(0), O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                     stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-                     window_left, window_right, num_items, section_heads, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFFERS,
-                     MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
-        (_producer, (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
-                     num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
-                     FP8)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    consumer = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
+                O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+                window_left, window_right, num_items, section_heads)
+    producer = (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
+                num_items, section_heads)
+    # The first consumer is the default partition (the kernel's own 4 warps); the others and
+    # the producer are workers.
+    if NUM_CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
+            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
+            (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
+            (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
+            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
+            (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------------------
@@ -391,7 +419,7 @@ def attention_fwd_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class HopperConfig(RegisterBudget):
-    """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is two consumers' rows)."""
+    """Tiles of the Hopper forward for one head dim (``BLOCK_M`` is the consumers' rows, 64 each)."""
 
     block_n: int
     num_stages: int
@@ -403,19 +431,43 @@ class HopperConfig(RegisterBudget):
     l2_share: float = 0.5
     # Two query buffers: the producer loads the next work item's query tile during this one.
     q_buffers: int = 1
+    # Consumer warpgroups (2 or 3), each owning 64 rows of the query tile.
+    consumers: int = 2
 
     @property
     def block_m(self) -> int:
-        return 2 * CONSUMER_ROWS.value
+        return self.consumers * CONSUMER_ROWS.value
+
+    @property
+    def query_box_rows(self) -> int:
+        """Rows of the query descriptor's box: one consumer's (the producer loads a tile box by box)."""
+        return CONSUMER_ROWS.value
 
 
 @functools.lru_cache(maxsize=None)
-def config_for(head_dim_pad: int) -> HopperConfig:
+def config_for(head_dim_pad: int, short_masked: bool = False) -> HopperConfig:
     """The tile configuration per padded head dim (shared memory: Q + stages * (K + V));
-    the measured alternatives (BLOCK_N, ping-pong, persistent grid) are in docs/tuning.md."""
+    ``short_masked``: a causal or windowed call with few query rows (``engine.short_masked``,
+    which ``call_config`` asks).  The measured alternatives (BLOCK_N, ping-pong, persistent
+    grid, consumers) are in docs/tuning.md.
+
+    Up to d = 64 three consumers share a 192-row query tile: there the softmax's ``exp2``
+    take the exp2 units as long as the tile's GEMMs take the tensor cores, and with three
+    warpgroups each one's softmax has two others' GEMMs to hide under (three 160-register
+    consumers and the producer fill the SM's registers).  A short masked call keeps two: the
+    192-row tiles cut the diagonal more coarsely, so more of their key tiles are masked and
+    partly wasted (d = 64, N = 1k causal: 258 TFLOP/s with three consumers, 307 with two)."""
+    if head_dim_pad <= engine.GLUON_THREE_CONSUMERS_MAX_HEADDIM and not short_masked:
+        return HopperConfig(block_n=128, num_stages=2, q_buffers=2, consumers=3, consumer_regs=160)
     if head_dim_pad <= 128:
         return HopperConfig(block_n=128, num_stages=2, q_buffers=2)
     return HopperConfig(block_n=64, num_stages=2)  # a second 64 KB query buffer does not fit
+
+
+def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right: int) -> HopperConfig:
+    """``config_for`` of a call with ``seqlen_q`` query rows (a packed batch's longest) and
+    this window (``-1``: unbounded on that side; causal is ``window_right = 0``)."""
+    return config_for(head_dim_pad, engine.short_masked(seqlen_q, window_left, window_right))
 
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs) that the offline
@@ -424,33 +476,10 @@ def config_for(head_dim_pad: int) -> HopperConfig:
 ALTERNATIVES = ("q_buffers=1",)
 
 
-def config_from_spec(head_dim_pad: int, spec: str) -> HopperConfig:
-    """``config_for(head_dim_pad)`` with the changes of ``spec`` (``hopper.config_changes``;
-    ``""``: the default itself)."""
-    return configured(config_for, spec)(head_dim_pad)
-
-
-@functools.lru_cache(maxsize=None)
-def _nvmma_layout(rows: int, hd: int, torch_dtype: torch.dtype):
-    # Cached: building the layout costs microseconds per descriptor, per call.
-    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[torch_dtype]
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, hd], gl_dtype)
-
-
-def descriptor(t: torch.Tensor, rows: int, hd: int) -> TensorDescriptor:
-    """A ``[1, rows, 1, hd]`` box over ``t``; the shape keeps the true head dim (columns past it
-    read as zeros).  ``TensorDescriptor``'s own checks (aligned base and strides, unit last
-    stride, non-empty shape, a valid box) cost microseconds per descriptor: where the cheap
-    tests below (and the box, validated once with its layout) show they pass, the descriptor
-    is built without them; anything else goes through the checked constructor."""
-    shape, strides = list(t.shape), list(t.stride())
-    layout = _nvmma_layout(rows, hd, t.dtype)
-    if not checks_pass(shape, strides, t, rows, hd):
-        return TensorDescriptor(t, shape, strides, [1, rows, 1, hd], layout)
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=[1, rows, 1, hd], layout=layout,
-                         padding="zero")
-    return desc
+def config_from_spec(head_dim_pad: int, spec: str, short_masked: bool = False) -> HopperConfig:
+    """``config_for(head_dim_pad, short_masked)`` with the changes of ``spec``
+    (``hopper.config_changes``; ``""``: the default itself)."""
+    return configured(config_for, spec)(head_dim_pad, short_masked)
 
 
 def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
@@ -478,7 +507,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     """
     d = q.shape[-1]
     hd = padded_headdim(d)
-    cfg = config or config_for(hd)
+    cfg = config or call_config(hd, layout.seqlen_q, window_left, window_right)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
     q, k, v = layout.prepare(q), layout.prepare(k), layout.prepare(v)
@@ -495,7 +524,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     # Through the launch layer: after the first call of a class, the compiled kernel is
     # launched directly (descriptors are classified by dtype, box and shared layout).
     launch(attention_fwd_kernel, grid, (
-        layout.tiles(q, cfg.block_m, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
+        layout.tiles(q, cfg.query_box_rows, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
         layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k, unread,  # no descales (16-bit inputs)
         stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0,
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
@@ -523,10 +552,10 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
     layout = Layout(q, k)
     d = q.shape[-1]
     hd = padded_headdim(d)
-    cfg = config_for(hd)
+    cfg = call_config(hd, layout.seqlen_q, window_left, window_right)
     out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
     templates = tuple(DescriptorTemplate(layout.tiles(t, rows, hd, descriptor))
-                      for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)))
+                      for t, rows in ((q, cfg.query_box_rows), (k, cfg.block_n), (v, cfg.block_n)))
     num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
     grid = (min(num_items, sm_count(device.index)) if cfg.persistent else num_items,)
     sample_out = torch.empty(out_shape, dtype=dtype, device=device)

@@ -25,12 +25,16 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # Spilled bytes (stores, and the stack frame) tolerated per (kernel, head dim); anything beyond
 # is a register-pressure regression and fails the check (docs/tuning.md has the numbers):
 # * forward: ptxas keeps a few scalars of the persistent work-item loop in local memory in
-#   three dense variants (d = 128 causal, d = 256 full and windowed: 4-24 bytes);
+#   three dense variants (d = 128 causal, d = 256 full and windowed: 4-32 bytes); at d = 64 the
+#   three 160-register consumers of a dense call hold the scores, the previous tile's P (an
+#   operand of the wgmma still running) and the output beside the mask: 32 bytes without a
+#   mask, 304-328 with causal or a window (a few words stored per key tile, read back outside
+#   the key loop; packed batches spill nothing);
 # * backward, d = 128: dK and dV of 64 keys (128 fp32 registers a thread) beside the score,
 #   dP and dQ tiles leave the loop's scalars and addresses in local memory (136-228 bytes in
 #   the default configuration, 432-648 with the atomics of the ``dq_tma=0+dq_lag=0``
 #   alternative; loaded from L1 once a step).  d = 64 spills nothing.
-SPILL_STORE_BUDGET = {("forward", 64): 32, ("forward", 128): 32, ("forward", 256): 32,
+SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 32, ("forward", 256): 32,
                       ("backward", 64): 0, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
 
 
@@ -54,14 +58,16 @@ def _aligned(fn, names) -> dict:
 
 
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
-                    dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = ""):
+                    dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = "",
+                    short_masked: bool = False):
     """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
-    (``alternative``: one of ``attention_fwd.ALTERNATIVES`` instead of the default configuration)."""
-    cfg = config or fwd.config_from_spec(hd, alternative)
+    (``alternative``: one of ``attention_fwd.ALTERNATIVES`` instead of the default configuration;
+    ``short_masked``: the configuration of a masked call with few query rows, ``config_for``)."""
+    cfg = config or fwd.config_from_spec(hd, alternative, short_masked)
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
             "nheads group headdim window_left window_right num_items section_heads").split()
-    sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
+    sig = {"Q_desc": _desc(dtype, cfg.query_box_rows, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32",
            "CU_K": "*i32", "DESCALES": "*fp32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
@@ -108,7 +114,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
             "nheads group headdim window_left window_right num_items section_heads").split()
-    sig = {"Q_desc": _desc("fp8e4nv", cfg.block_m, hd), "K_desc": _desc("fp8e4nv", cfg.block_n, hd),
+    sig = {"Q_desc": _desc("fp8e4nv", cfg.query_box_rows, hd), "K_desc": _desc("fp8e4nv", cfg.block_n, hd),
            "V_desc": _desc("fp8e4nv", 0, 0, [1, 1, hd, cfg.block_n]), "O": "*bf16", "LSE": "*fp32",
            "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "qk_scale": "fp32",
            **{name: "i32" for name in ints}}
@@ -145,6 +151,10 @@ def variants():
     for alternative, causal, hd in itertools.product(fwd.ALTERNATIVES, (False, True), (64, 128)):
         yield dict(kernel="forward", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16",
                    alternative=alternative)
+    # The two-consumer tiles of short masked calls at d = 64 (``attention_fwd.call_config``).
+    for (causal, window), varlen in itertools.product(((True, False), (False, True)), (False, True)):
+        yield dict(kernel="forward", hd=64, causal=causal, window=window, varlen=varlen, dtype="bf16",
+                   short_masked=True)
     for alternative, causal, hd in itertools.product(fp8.ALTERNATIVES, (False, True), HEAD_DIMS["fp8"]):
         yield dict(kernel="fp8", hd=hd, causal=causal, alternative=alternative)
     for alternative, (causal, window), varlen, hd in itertools.product(

@@ -60,6 +60,9 @@ CASES = [
     # More work items than SMs: each persistent program runs several query tiles in turn.
     (4, 2048, 2048, 8, 2, 64, True, (-1, -1)),
     (2, 1500, 1500, 12, 12, 128, False, (-1, -1)),
+    # d <= 64 from 2048 query rows with a mask (any length without): three consumers, 192-row tiles.
+    (1, 2500, 3000, 4, 2, 64, True, (-1, -1)),
+    (1, 3000, 2100, 2, 1, 48, False, (300, 0)),
 ]
 
 
@@ -77,18 +80,13 @@ def test_gluon_forward_matches_reference(case, dtype):
 ALTERNATIVE_CASES = [c for c in CASES if c[5] <= 128]
 
 
-@needs_hopper
-@pytest.mark.parametrize("alternative", attention_fwd.ALTERNATIVES)
-@pytest.mark.parametrize("case", ALTERNATIVE_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
-    *c[:6], "causal" if c[6] else "full", c[7]))
-def test_gluon_forward_alternative_configurations_match_reference(case, alternative):
+def _check_config(case, cfg):
+    """The forward of ``case`` through the kernel's launcher in configuration ``cfg``, forward only."""
     from flashtile.kernels import attention as ka
-    from flashtile.kernels.tma import padded_headdim
 
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
     left, right = (window[0], 0) if causal else window
-    cfg = attention_fwd.config_from_spec(padded_headdim(headdim), alternative)
     out, lse = attention_fwd.forward(ka.Layout(q, k), q, k, v, headdim ** -0.5, left, right, config=cfg)
     kw = dict(causal=causal, window_size=window)
     dout = random_like(out, seed=1)
@@ -99,6 +97,28 @@ def test_gluon_forward_alternative_configurations_match_reference(case, alternat
     assert torch.equal(lse == float("-inf"), empty), "rows with no visible key must have LSE -inf"
     assert_close_to_reference(lse[~empty], ref[1][~empty], low[1][~empty].to(torch.float64), "lse",
                               atol_floor=FLOOR[torch.bfloat16])
+
+
+@needs_hopper
+@pytest.mark.parametrize("alternative", attention_fwd.ALTERNATIVES)
+@pytest.mark.parametrize("case", ALTERNATIVE_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
+    *c[:6], "causal" if c[6] else "full", c[7]))
+def test_gluon_forward_alternative_configurations_match_reference(case, alternative):
+    from flashtile.kernels.tma import padded_headdim
+
+    _check_config(case, attention_fwd.config_from_spec(padded_headdim(case[5]), alternative))
+
+
+# Both configurations of head dims up to 64 on every such case, whatever the call's own rule
+# (``call_config``) would pick: three consumers (192-row tiles) and the two of short masked calls.
+@needs_hopper
+@pytest.mark.parametrize("short_masked", [False, True], ids=["three-consumers", "two-consumers"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] <= 64], ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
+    *c[:6], "causal" if c[6] else "full", c[7]))
+def test_gluon_forward_both_small_head_dim_configurations_match_reference(case, short_masked):
+    cfg = attention_fwd.config_for(64, short_masked)
+    assert cfg.consumers == (2 if short_masked else 3)
+    _check_config(case, cfg)
 
 
 @needs_hopper

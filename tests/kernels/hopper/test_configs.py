@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 hopper = pytest.importorskip("flashtile.kernels.hopper")
+from flashtile.kernels.engine import SHORT_MASKED_ROWS  # noqa: E402
 from flashtile.kernels.hopper import attention_bwd, attention_fp8, attention_fwd  # noqa: E402  (after the skip)
 
 
@@ -26,6 +27,23 @@ def test_forward_alternatives_change_the_default(spec, head_dim_pad):
     assert changed != default
     assert dataclasses.replace(changed, **{k: getattr(default, k) for k in hopper.config_changes(spec)}) == default
     assert attention_fwd.config_from_spec(head_dim_pad, "") == default
+
+
+def test_three_consumers_serve_small_head_dims_but_not_short_masked_calls():
+    assert attention_fwd.call_config(64, 1000, -1, -1).consumers == 3
+    assert attention_fwd.call_config(64, 1000, -1, 0).consumers == 2  # causal, short
+    assert attention_fwd.call_config(64, 1000, 128, -1).consumers == 2  # left window, short
+    assert attention_fwd.call_config(64, SHORT_MASKED_ROWS, -1, 0).consumers == 3
+    assert attention_fwd.call_config(128, 16384, -1, -1).consumers == 2
+    for short_masked in (False, True):
+        cfg = attention_fwd.config_for(64, short_masked)
+        assert cfg.block_m == 64 * cfg.consumers
+        # The consumers' and producer's requests fit the SM's 64K registers, and the kernel-wide
+        # cap leaves the first consumer (the default partition) at least the others' budget.
+        warpgroups = cfg.consumers + 1
+        assert cfg.consumers * cfg.consumer_regs + cfg.producer_regs <= 512
+        leftover = cfg.maxnreg * warpgroups - (cfg.consumers - 1) * cfg.consumer_regs - cfg.producer_regs
+        assert leftover >= cfg.consumer_regs
 
 
 @pytest.mark.parametrize("spec", attention_fp8.ALTERNATIVES)
