@@ -6,8 +6,8 @@ Two engines compute the same attention on CUDA tensors:
   asynchronous wgmma), where they cover the call and are the faster engine: an sm_90 GPU,
   Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout, softcap, ALiBi or paged
   keys.  At d = 64 its three-consumer tiles measured 1.01-1.12x cuDNN non-causal on an
-  H200, against 0.89-0.96x for the ``tl.*`` forward (N = 1k-16k; docs/tuning.md); ``auto``
-  leaves it short masked calls at head dims up to 64 (``short_masked``);
+  H200, against 0.89-0.96x for the ``tl.*`` forward (N = 1k-16k; docs/tuning.md); under
+  ``auto`` it does not take short masked calls at head dims up to 64 (``short_masked``);
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
@@ -34,6 +34,7 @@ import os
 import torch
 
 from flashtile.kernels.runtime import INTERPRET, Knob, register_family
+from flashtile.masking import is_masked
 
 ENGINES = ("auto", "gluon", "triton")
 ENGINE_KNOBS = register_family("engine", "FLASHTILE_ENGINE", {
@@ -124,7 +125,7 @@ GLUON_THREE_CONSUMERS_MAX_HEADDIM = 64
 def short_masked(seqlen_q: int, window_left: int, window_right: int) -> bool:
     """Whether a forward of ``seqlen_q`` query rows (a packed batch's longest) with this
     window (``-1``: unbounded on that side; causal is ``window_right = 0``) is short masked."""
-    return (window_left >= 0 or window_right >= 0) and seqlen_q < SHORT_MASKED_ROWS
+    return is_masked(window_left, window_right) and seqlen_q < SHORT_MASKED_ROWS
 
 
 def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,

@@ -25,7 +25,7 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # Spilled bytes (stores, and the stack frame) tolerated per (kernel, head dim); anything beyond
 # is a register-pressure regression and fails the check (docs/tuning.md has the numbers):
 # * forward: ptxas keeps a few scalars of the persistent work-item loop in local memory in
-#   three dense variants (d = 128 causal, d = 256 full and windowed: 4-32 bytes); at d = 64 the
+#   some variants at d = 128 and 256 (4-32 bytes; docs/tuning.md lists them); at d = 64 the
 #   three 160-register consumers of a dense call hold the scores, the previous tile's P (an
 #   operand of the wgmma still running) and the output beside the mask: 32 bytes without a
 #   mask, 304-328 with causal or a window (a few words stored per key tile, read back outside
