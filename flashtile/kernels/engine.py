@@ -47,7 +47,7 @@ ENGINE_ENV = ENGINE_KNOBS.env_var
 # only: at 64 and below neither backward is ahead beyond noise in either direction
 # (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
-GLUON_AUTO_MIN_HEADDIM = 65
+GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128.
 GLUON_BACKWARD_MAX_HEADDIM = 128
 
@@ -174,7 +174,7 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device.
 
     ``auto`` takes the Gluon backward where it can run the call, for the forward's head dims
-    (``GLUON_AUTO_MIN_HEADDIM`` up): at d = 128 forward + backward measured 1.1-1.3x the
+    (``GLUON_BACKWARD_AUTO_MIN_HEADDIM`` up): at d = 128 forward + backward measured 1.1-1.3x the
     ``tl.*`` backward's TFLOP/s on an H200 from N = 2k (bf16; 0.8-1.2x at N = 512 / 1k, where
     both are far below cuDNN), while at d = 64 the two were within -10 % / +13 % of each other
     with no consistent winner below N = 8k (docs/tuning.md).
@@ -187,7 +187,7 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     if wanted == "triton":
         return "triton"
     reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes)
-    if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_AUTO_MIN_HEADDIM):
+    if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM):
         return "gluon"
     if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon backward cannot run this call: {reason}")
