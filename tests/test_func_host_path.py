@@ -380,6 +380,46 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
 
 
 @in_child
+def test_stubbed_gluon_backward_lets_go_of_the_preprocess_rows_before_dq_conversion(stubbed, monkeypatch):
+    # dQ's conversion holds the fp32 workspace, dQ, dK and dV at once (the backward's peak of
+    # memory): delta and the log2 LSE are dropped before it, on the general path and the plan.
+    import weakref
+
+    from flashtile.kernels import launch as launch_mod
+    from flashtile.kernels.attention import backward
+    from flashtile.kernels.hopper import attention_bwd
+
+    monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
+    rows, alive = [], []
+    recording, bound_call, convert = backward.launch, launch_mod.BoundLaunch.__call__, attention_bwd.dq_from_workspace
+
+    def launch(kernel, grid, args, options, dynamic=()):
+        if kernel.fn.__name__ == "_bwd_preprocess":
+            rows.append([weakref.ref(t) for t in args[4:6]])  # delta, lse2
+        recording(kernel, grid, args, options, dynamic)
+
+    def call(self, head):
+        if self.kernel.fn.__name__ == "_bwd_preprocess":
+            rows.append([weakref.ref(t) for t in head[4:6]])
+        bound_call(self, head)
+
+    def dq_from_workspace(*args, **kwargs):
+        alive.append([ref() is not None for ref in rows[-1]])
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(backward, "launch", launch)
+    monkeypatch.setattr(launch_mod.BoundLaunch, "__call__", call)
+    monkeypatch.setattr(attention_bwd, "dq_from_workspace", dq_from_workspace)
+    q, k, v = _qkv((2, 130, 4, 128), (2, 300, 4, 128), dtype=torch.bfloat16)
+    out, dout, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 4, 130)
+    for _ in range(2):  # the key's first call goes the general way, the second builds and runs the plan
+        dq = backward.bwd(dout, q, k, v, out, lse, AttentionParams(0.125))[0]
+        assert dq.shape == q.shape and dq.dtype == q.dtype
+    assert len(backward.cache.plans) == 1 and len(rows) == 2
+    assert alive == [[False, False], [False, False]]
+
+
+@in_child
 def test_stubbed_tiny_forward_takes_the_plan_through_the_public_function(stubbed):
     from flashtile.kernels.attention import forward
     from flashtile.ops import attention as ops

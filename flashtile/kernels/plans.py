@@ -14,6 +14,10 @@ emptying the cache replaces the dict, so every kept plan goes stale with it.
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 NO_PLAN = object()  # a key whose calls go the general way
 PENDING = object()  # a key with no plan yet: this call goes the general way, a later one decides
 
@@ -51,3 +55,14 @@ class PlanCache:
             self.clear()
         self.plans[key] = plan
         return plan
+
+
+def stand_ins(device, *specs) -> tuple:
+    """Contiguous tensors of these ``(shape, dtype)`` on ``device``, for a plan to be built over
+    in place of a call's outputs: a plan reads their shapes, strides, dtypes, device and
+    16-byte aligned bases, never their elements, so they are carved from one buffer of the
+    largest one's size (they overlap).  Building a plan at a training step then adds one
+    output's memory to the step's peak, not the sum of them all."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
+    return tuple(buffer[:size].view(dtype).view(shape) for size, (shape, dtype) in zip(sizes, specs))

@@ -28,3 +28,20 @@ def test_clearing_replaces_the_dict_and_a_full_cache_starts_over():
     assert cache.seen_once == {"z"} and cache.plans == {"c": "c"}
     cache.clear()
     assert cache.plans == {} and not cache.seen_once
+
+
+def test_stand_ins_describe_each_output_from_one_buffer_of_the_largest():
+    import torch
+
+    from flashtile.kernels.plans import stand_ins
+
+    device = torch.device("cpu")
+    acc, dk, lse = stand_ins(device, ((2, 300, 4, 128), torch.float32), ((2, 700, 2, 64), torch.bfloat16),
+                             ((2, 4, 300), torch.float32))
+    for t, shape, dtype in ((acc, (2, 300, 4, 128), torch.float32), (dk, (2, 700, 2, 64), torch.bfloat16),
+                            (lse, (2, 4, 300), torch.float32)):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device == device
+        assert t.data_ptr() % 16 == 0
+    # One storage, the size of the largest (the fp32 workspace): the others overlap it.
+    assert acc.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()
+    assert acc.untyped_storage().nbytes() == 2 * 300 * 4 * 128 * 4

@@ -18,6 +18,7 @@ and step 3 as here).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -30,7 +31,7 @@ from flashtile.kernels.engine import backward_engine, engine_setting
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import key_tiles, query_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
-from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache
+from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache, stand_ins
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim, tma_strides
@@ -336,14 +337,16 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
     if configs is None and backward_engine(q, k, params.dropout, params.softcap, params.alibi_slopes) == "gluon":
         from flashtile.kernels.hopper import attention_bwd
 
-        dq_, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
-                                               params.window_left, params.window_right,
-                                               deterministic=params.deterministic)
-        if dq_ is None:  # deterministic: dK and dV alone; dQ from the tl.* kernel, whose programs own their rows
+        dq_acc, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
+                                                  params.window_left, params.window_right,
+                                                  deterministic=params.deterministic)
+        if dq_acc is None:  # deterministic: dK and dV alone; dQ from the tl.* kernel, whose programs own their rows
             dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
             cfg_q = bwd_config(hd, q.dtype, params.window_right >= 0)[1]
             launch(*_dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params, cfg_q))
-        return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
+            return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
+        del lse2, delta  # read: dQ's conversion is the peak of memory
+        return attention_bwd.dq_from_workspace(dq_acc, d, params.softmax_scale, q.dtype), unpad(dk_, d), unpad(dv_, d)
 
     dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
@@ -414,23 +417,25 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
     layout = Layout(q, k)
     device = q.device
     lse_shape = tuple(lse.shape)
-    sample_delta, sample_lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    shapes = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    dtype = q.dtype
+    # Stand-ins for the call's outputs (``stand_ins``: overlapping, never read or written).
+    sample_delta, sample_lse2, *samples = stand_ins(
+        device, (lse_shape, torch.float32), (lse_shape, torch.float32), *((shape, dtype) for shape in shapes))
     kernel, grid, args, options = _preprocess_launch(layout, out, dout, lse, None, sample_delta, sample_lse2, d)
     # A call passes out, dO, the LSE (also the stand-in of the absent LSE gradient and of the
     # cu_seqlens), delta and the log2 LSE; the strides and sizes are the plan's.
     preprocess = bind(kernel, grid, options, args, tail_from=7)
-    dtype = q.dtype
-    shapes = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     cfg_kv, cfg_q = bwd_config(d, dtype, params.window_right >= 0)
     # Each kernel's descriptors become templates over the call's tensors; a call passes those,
     # the gradients, the log2 LSE, delta, the LSE (the ALiBi and cu_seqlens stand-ins) and,
     # between them, the plan's own ALiBi stride.
-    sample_dq = torch.empty(shapes[0], dtype=dtype, device=device)
-    dq_kernel, dq_grid, dq_args, dq_options = _dq_launch(layout, q, k, v, dout, sample_dq, sample_lse2, sample_delta,
+    dq_kernel, dq_grid, dq_args, dq_options = _dq_launch(layout, q, k, v, dout, samples[0], sample_lse2, sample_delta,
                                                          lse, params, cfg_q)
     dq = bind(dq_kernel, dq_grid, dq_options, _templates(dq_args, 5), tail_from=12)
     stride_ab = dq_args[9]
     gluon = backward_engine(q, k, None, params.softcap, None) == "gluon"
+    finish = None  # dQ from what ``gradients`` returns for it, where that is a workspace
     if gluon:
         from flashtile.kernels.hopper import attention_bwd
 
@@ -439,14 +444,18 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
                                                    params.deterministic)
 
         def gradients(q, k, v, dout, lse2, delta, lse):
-            dq_, dk_, dv_ = gluon_gradients(q, k, v, dout, lse2, delta)
-            if dq_ is None:  # deterministic: dQ from the tl.* kernel, as the general path
+            dq_acc, dk_, dv_ = gluon_gradients(q, k, v, dout, lse2, delta)
+            if dq_acc is None:  # deterministic: dQ from the tl.* kernel, as the general path
                 dq_ = torch.empty(*shapes[0], dtype=dtype, device=device)
                 dq((q, k, v, dout, dq_, dq_, lse2, delta, lse, stride_ab, lse, lse))
-            return dq_, dk_, dv_
+                return dq_, dk_, dv_
+            return dq_acc, dk_, dv_
+
+        if not params.deterministic:
+            finish = functools.partial(attention_bwd.dq_from_workspace, headdim=d,
+                                       softmax_scale=params.softmax_scale, dtype=dtype)
     else:
-        samples = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes[1:]]
-        dkdv_kernel, dkdv_grid, dkdv_args, dkdv_options = _dkdv_launch(layout, q, k, v, dout, *samples, sample_lse2,
+        dkdv_kernel, dkdv_grid, dkdv_args, dkdv_options = _dkdv_launch(layout, q, k, v, dout, *samples[1:], sample_lse2,
                                                                        sample_delta, lse, params, cfg_kv)
         dkdv = bind(dkdv_kernel, dkdv_grid, dkdv_options, _templates(dkdv_args, 6), tail_from=14)
         dkdv_stride_ab = dkdv_args[11]
@@ -464,7 +473,11 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
         delta = torch.empty(*lse_shape, dtype=torch.float32, device=device)
         lse2 = torch.empty(*lse_shape, dtype=torch.float32, device=device)
         preprocess((out, dout, lse, lse, delta, lse2, lse))
-        return gradients(q, k, v, dout, lse2, delta, lse)
+        dq_, dk_, dv_ = gradients(q, k, v, dout, lse2, delta, lse)
+        if finish is None:
+            return dq_, dk_, dv_
+        del lse2, delta  # read: dQ's conversion (``finish``) is the peak of memory
+        return finish(dq_), dk_, dv_
 
     return run
 

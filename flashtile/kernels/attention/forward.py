@@ -29,7 +29,7 @@ from flashtile.kernels.launch import constant as launch_constant
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, online_max, score_mod, score_mod_args
-from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache
+from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache, stand_ins
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim, tma_strides
@@ -324,8 +324,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
         return None  # the output is written padded and copied back: the general path
     cfg = fwd_config(hd, q.dtype, window_right >= 0)
     out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
-    out_template = torch.empty(out_shape, dtype=dtype, device=device)
-    lse_template = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    out_template, lse_template = stand_ins(device, (out_shape, dtype), (lse_shape, torch.float32))
     q_desc, k_desc, v_desc, o_desc = (DescriptorTemplate(layout.tiles(t, rows, hd, fast_descriptor)) for t, rows in (
         (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out_template, cfg.block_m)))
     unread = placeholder(device)

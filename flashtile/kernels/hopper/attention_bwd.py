@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.hopper.tma_reduce import async_reduce_add
+from flashtile.kernels.plans import stand_ins
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask, query_tiles
 from flashtile.kernels.runtime import cdiv, l2_bytes
@@ -484,12 +485,14 @@ _HEAD = 12
 
 def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left, window_right, config=None,
              deterministic=False):
-    """dQ, dK, dV of ``layout``'s attention (``flashtile.kernels.attention.Layout``), from the
-    preprocess's ``lse2`` (LSE * log2 e, ``+inf`` on empty rows) and ``delta``.  ``q``, ``k``,
-    ``v``, ``dout`` are the TMA-ready tensors (their last dim may be padded past the true
+    """(dQ's workspace, dK, dV) of ``layout``'s attention (``flashtile.kernels.attention.Layout``),
+    from the preprocess's ``lse2`` (LSE * log2 e, ``+inf`` on empty rows) and ``delta``.  ``q``,
+    ``k``, ``v``, ``dout`` are the TMA-ready tensors (their last dim may be padded past the true
     ``headdim``); dK and dV come back shaped like ``k`` and ``v`` (columns past ``headdim``
-    unwritten), dQ at the true head dim -- or None with ``deterministic`` (dK and dV alone:
-    ``deterministic_config``; the caller computes dQ)."""
+    unwritten).  dQ comes as the kernel's fp32 workspace, which :func:`dq_from_workspace` turns
+    into dQ once the caller has dropped ``lse2`` and ``delta`` (the conversion is the backward's
+    peak of memory) -- or None with ``deterministic`` (dK and dV alone: ``deterministic_config``;
+    the caller computes dQ)."""
     d = headdim
     hd = padded_headdim(d)
     cfg = config or (deterministic_config(hd) if deterministic else config_for(hd))
@@ -507,18 +510,23 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
         # launched directly.
         launch(attention_bwd_kernel, *_launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, d,
                                                    softmax_scale, window_left, window_right, cfg))
-    if not cfg.with_dq:
-        return None, dk, dv
-    # Scaled and rounded to dQ's dtype in one pass, with no fp32 temporary beside the workspace.
-    dq = torch.empty((*q.shape[:-1], d), dtype=q.dtype, device=q.device)
-    torch.mul(dq_acc[..., :d], softmax_scale, out=dq)
-    return dq, dk, dv
+    return (dq_acc if cfg.with_dq else None), dk, dv
+
+
+def dq_from_workspace(dq_acc, headdim, softmax_scale, dtype):
+    """dQ from the backward kernel's fp32 workspace: scaled and rounded to ``dtype`` in one
+    pass, with no fp32 temporary beside the workspace.  The workspace, dQ, dK and dV are all
+    alive here, so the caller lets go of everything else first."""
+    dq = torch.empty((*dq_acc.shape[:-1], headdim), dtype=dtype, device=dq_acc.device)
+    torch.mul(dq_acc[..., :headdim], softmax_scale, out=dq)
+    return dq
 
 
 def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, window_right, deterministic=False):
     """The launch plan of :func:`backward` for dense inputs with these shapes, strides, dtypes
     and device, the head dim a power of two (no padding), no tensor empty: a function
-    ``(q, k, v, dout, lse2, delta) -> (dq, dk, dv)`` (dq None with ``deterministic``) for TMA-ready tensors with 16-byte aligned
+    ``(q, k, v, dout, lse2, delta) -> (dq's workspace, dk, dv)`` (the workspace as :func:`backward`
+    returns it, None with ``deterministic``) for TMA-ready tensors with 16-byte aligned
     bases (the caller checks the bases).  Per call it allocates the workspace and the
     gradients and launches; the descriptors come from templates (``DescriptorTemplate``), the
     grid, the other arguments and the constexprs are the ones :func:`backward` computes."""
@@ -526,11 +534,9 @@ def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, w
     cfg = deterministic_config(d) if deterministic else config_for(d)
     acc_shape, dtype, device = tuple(q.shape), q.dtype, q.device
     k_shape, v_shape = tuple(k.shape), tuple(v.shape)
-    sample_acc = torch.empty(acc_shape, dtype=torch.float32, device=device)
+    sample_acc, sample_dk, sample_dv = stand_ins(device, (acc_shape, torch.float32), (k_shape, dtype), (v_shape, dtype))
     # Without dQ, the plan's own tile for the descriptor (the kernel never reads it).
     placeholder_acc = torch.empty((1, cfg.block_m, 1, d), dtype=torch.float32, device=device)
-    sample_dk = torch.empty(k_shape, dtype=dtype, device=device)
-    sample_dv = torch.empty(v_shape, dtype=dtype, device=device)
     grid, args, options = _launch_args(layout, q, k, v, dout, sample_acc if cfg.with_dq else placeholder_acc, sample_dk,
                                        sample_dv, lse2, delta, d, softmax_scale, window_left, window_right, cfg)
     args = tuple(DescriptorTemplate(a) if i < 5 else a for i, a in enumerate(args))
@@ -544,8 +550,6 @@ def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, w
             return None, dk, dv
         dq_acc = torch.zeros(*acc_shape, dtype=torch.float32, device=device)
         bound((q, k, v, dout, dq_acc, dq_acc, dk, dv, lse2, delta, lse2, lse2))
-        dq = torch.empty(*acc_shape, dtype=dtype, device=device)
-        torch.mul(dq_acc, softmax_scale, out=dq)
-        return dq, dk, dv
+        return dq_acc, dk, dv
 
     return run
