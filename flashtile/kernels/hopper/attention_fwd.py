@@ -1,5 +1,10 @@
 """FlashAttention forward for Hopper in Gluon: a TMA producer warp and two or three consumer warpgroups.
 
+(One module over 600 lines on purpose: the partitions read their tile sizes back from the
+buffers the kernel allocates from the configuration's constexprs and the launcher's descriptor
+boxes, so kernel, configuration and launcher are one argument, read top to bottom and changed
+together.)
+
 A work item is a ``BLOCK_M``-row query tile of one (batch, head), 64 rows per consumer
 (``BLOCK_M = 128`` with two, 192 with three: ``config_for``); with a persistent grid each
 program runs its items in turn (dealt round-robin, see ``work_item``), split between
@@ -7,7 +12,7 @@ partitions that share shared memory and talk through mbarriers:
 
 * **producer** (1 warp, few registers): per item, TMA-loads the query tile once its buffer
   is free (``Q_BUFFERS`` of them: with two, the next item's tile arrives while the consumers
-  finish this one; a tile is one 64-row box per consumer), then streams the key and value
+  finish this one; a 192-row tile is one 64-row box per consumer), then streams the key and value
   tiles through a ``NUM_STAGES``-deep ring of shared-memory slots that runs on across items.
   Each slot has a *ready* barrier (TMA completion, byte-counted) and an *empty* barrier (every
   consumer has finished reading it), and so has each query buffer.
@@ -18,7 +23,8 @@ partitions that share shared memory and talk through mbarriers:
   only for ``S_j``, and runs the online-softmax update of tile ``j`` while the tensor cores
   still work on ``P_{j-1} V_{j-1}``.  ``P`` stays in registers as the A operand of its wgmma.
   With ``PINGPONG`` the consumers also take turns issuing their GEMMs (a ring of mbarriers
-  passes the turn), so one warpgroup's softmax runs under the others' GEMMs.
+  passes the turn), so one warpgroup's softmax runs under the others' GEMMs.  A consumer
+  computes on the key tiles its own rows see and passes the item's others (``pass_tiles``).
 
 The masking rules are flashtile's: ``key_tiles`` decides which key tiles a query tile
 visits and which of them need an element-wise mask, ``band_mask`` decides visibility inside
@@ -55,6 +61,7 @@ from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
+from flashtile.kernels.plans import stand_ins
 from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
 from flashtile.kernels.tile_info import dealt_tile, sequence_bounds, work_schedule
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
@@ -102,8 +109,8 @@ def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl
     (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
      section_heads) = args
-    NUM_CONSUMERS: gl.constexpr = BLOCK_M // CONSUMER_ROWS
-    Q_BYTES: gl.constexpr = Q_desc.block_type.nbytes * NUM_CONSUMERS
+    QUERY_BOXES: gl.constexpr = BLOCK_M // Q_desc.block_type.shape[1]
+    Q_BYTES: gl.constexpr = Q_desc.block_type.nbytes * QUERY_BOXES
     count = 0
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -119,11 +126,11 @@ def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl
         else:
             if VARLEN:
                 b = 0  # packed tensors are one batch entry of the descriptors
-            # One box per consumer's rows (a TMA box's sides are powers of two; 3 x 64 is not).
+            # The tile in one box, or one per consumer (a box's sides are powers of two; 3 x 64 is not).
             mbarrier.expect(q_ready.index(qb), Q_BYTES)
-            for i in gl.static_range(NUM_CONSUMERS):
-                tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0 + i * CONSUMER_ROWS, h, 0], q_ready.index(qb),
-                                                q_bufs.index(qb * NUM_CONSUMERS + i))
+            for i in gl.static_range(QUERY_BOXES):
+                tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0 + i * (BLOCK_M // QUERY_BOXES), h, 0],
+                                                q_ready.index(qb), q_bufs.index(qb * QUERY_BOXES + i))
             for j in range(n_tiles):
                 slot = count % NUM_STAGES
                 free_phase = ((count // NUM_STAGES) & 1) ^ 1
@@ -179,6 +186,23 @@ def hand_turn(turn_bar, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def pass_tiles(first, end, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, NUM_STAGES: gl.constexpr,
+               PINGPONG: gl.constexpr):
+    """Ring counts ``[first, end)``: key tiles of the item that this consumer's rows do not see.
+    It takes each tile's turn and hands it on at once, and releases the slot once the tile has
+    arrived -- before that, the release would count towards the slot's previous use."""
+    for c in range(first, end):
+        slot = c % NUM_STAGES
+        phase = (c // NUM_STAGES) & 1
+        issue_turn(my_turn, c, PINGPONG)
+        hand_turn(their_turn, PINGPONG)
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot), count=1)
+
+
+@gluon.jit
 def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             FP8: gl.constexpr):
     """Issue ``P V`` for one key tile: accumulated onto ``acc`` (16-bit), or into a fresh
@@ -210,12 +234,14 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
      O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
      stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
      window_left, window_right, num_items, section_heads) = args
-    # Buffers: turns [NUM_CONSUMERS, 1], q [Q_BUFFERS * NUM_CONSUMERS, 1, 64, 1, HEAD_DIM] (a
-    # query tile is NUM_CONSUMERS consecutive ones), k [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM].
+    # Buffers: turns [NUM_CONSUMERS, 1], q [Q_BUFFERS * QUERY_BOXES, 1, BOX_ROWS, 1, HEAD_DIM] (a
+    # query tile is QUERY_BOXES consecutive boxes), k [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM].
     ROWS: gl.constexpr = CONSUMER_ROWS
     NUM_CONSUMERS: gl.constexpr = turns.shape[0]
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS
-    Q_BUFFERS: gl.constexpr = q_bufs.shape[0] // NUM_CONSUMERS
+    BOX_ROWS: gl.constexpr = q_bufs.shape[2]
+    QUERY_BOXES: gl.constexpr = BLOCK_M // BOX_ROWS
+    Q_BUFFERS: gl.constexpr = q_bufs.shape[0] // QUERY_BOXES
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[2]
     HEAD_DIM: gl.constexpr = k_bufs.shape[4]
@@ -243,7 +269,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     for it in range(gl.cdiv(num_items - pid, nprog)):  # it: this program's item count, the query buffer's phase
-        b, h, hk, m0, q_start, _ks, sq, sk, lo, full_lo, full_hi, n_tiles = work_item(
+        b, h, hk, m0, q_start, _ks, sq, sk, item_lo, _fl, _fh, n_tiles = work_item(
             pid + it * nprog, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
             window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         scale = qk_scale
@@ -256,12 +282,27 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
         if n_tiles < 0:
             mbarrier.arrive(q_empty_b, count=1)
         else:
-            q = q_bufs.index(qb * NUM_CONSUMERS + INDEX).reshape([ROWS, HEAD_DIM])
+            q = q_bufs.index(qb * QUERY_BOXES + row_off // BOX_ROWS).reshape([BOX_ROWS, HEAD_DIM])
+            q = q.slice(row_off % BOX_ROWS, ROWS, dim=0)
             offs_m = m0 + row_off + gl.arange(0, ROWS, layout=row_layout)
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-            if n_tiles > 0:
+            # The producer streams the item's n_tiles key tiles, the union of its consumers'
+            # ranges; this consumer computes on its own rows' run of them (the causal diagonal
+            # or a window's edge cuts 64 rows more finely than the whole tile) and passes the
+            # others, as it passes every tile when its rows lie past the sequence's end.
+            lo, full_lo, full_hi, hi = key_tiles(m0 + row_off, sq, sk, window_left, window_right, ROWS, BLOCK_N,
+                                                 MASK_LEFT, MASK_RIGHT)
+            before = gl.minimum((lo - item_lo) // BLOCK_N, n_tiles)
+            n_mine = gl.minimum(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), n_tiles - before)
+            if m0 + row_off >= sq:
+                n_mine = 0
+            after = n_tiles - before - n_mine
+            pass_tiles(count, count + before, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, NUM_STAGES,
+                       PINGPONG)
+            count += before
+            if n_mine > 0:
                 # Tile 0: scores only; its P V joins the next step's GEMMs.
                 slot = count % NUM_STAGES
                 issue_turn(my_turn, count, PINGPONG)
@@ -283,7 +324,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 # One induction variable, the ring count c: this item's tile c - first starts at
                 # key n_base + c * BLOCK_N.
                 first = count - 1
-                end = first + n_tiles
+                end = first + n_mine
                 n_base = lo - first * BLOCK_N
                 for c in range(count, end):
                     slot = c % NUM_STAGES
@@ -324,6 +365,9 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 acc = pv
             else:
                 mbarrier.arrive(q_empty_b, count=1)
+            pass_tiles(count, count + after, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, NUM_STAGES,
+                       PINGPONG)
+            count += after
 
             # Deferred normalisation: one reciprocal per row; an empty row (l = 0) is selected
             # to 0, so no inf or NaN in V can reach it.
@@ -364,7 +408,8 @@ def attention_fwd_kernel(
     # program per SM the producer loads the next item while the consumers store this one.
     dtype: gl.constexpr = Q_desc.dtype
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // CONSUMER_ROWS
-    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS] + Q_desc.block_type.shape, Q_desc.layout)
+    QUERY_BOXES: gl.constexpr = BLOCK_M // Q_desc.block_type.shape[1]
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFFERS * QUERY_BOXES] + Q_desc.block_type.shape, Q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + K_desc.block_type.shape, K_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + V_desc.block_type.shape, V_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -440,8 +485,9 @@ class HopperConfig(RegisterBudget):
 
     @property
     def query_box_rows(self) -> int:
-        """Rows of the query descriptor's box: one consumer's (the producer loads a tile box by box)."""
-        return CONSUMER_ROWS.value
+        """Rows of the query descriptor's box: the whole tile's where they are a power of two,
+        else one consumer's (the producer then loads a tile box by box)."""
+        return self.block_m if self.block_m & (self.block_m - 1) == 0 else CONSUMER_ROWS.value
 
 
 @functools.lru_cache(maxsize=None)
@@ -558,8 +604,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
                       for t, rows in ((q, cfg.query_box_rows), (k, cfg.block_n), (v, cfg.block_n)))
     num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
     grid = (min(num_items, sm_count(device.index)) if cfg.persistent else num_items,)
-    sample_out = torch.empty(out_shape, dtype=dtype, device=device)
-    sample_lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    sample_out, sample_lse = stand_ins(device, (out_shape, dtype), (lse_shape, torch.float32))
     unread = placeholder(device)  # cu_seqlens and descales: not read by the dense 16-bit kernel
     args = (*templates, sample_out, sample_lse, unread, unread, unread,
             *sample_out.stride()[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k, layout.seqlen_q,

@@ -63,6 +63,10 @@ CASES = [
     # d <= 64 from 2048 query rows with a mask (any length without): three consumers, 192-row tiles.
     (1, 2500, 3000, 4, 2, 64, True, (-1, -1)),
     (1, 3000, 2100, 2, 1, 48, False, (300, 0)),
+    # Consumers whose rows see none of some of the tile's key tiles pass them: Nq > Nk causal
+    # (tiles whose earlier consumers see no key at all) and a right-only window.
+    (1, 2500, 700, 2, 2, 64, True, (-1, -1)),
+    (1, 1100, 1300, 2, 1, 64, False, (-1, 100)),
 ]
 
 

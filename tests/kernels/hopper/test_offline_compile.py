@@ -52,13 +52,13 @@ def test_no_variant_has_its_wgmma_serialised(reports):
 
 
 def test_most_forward_variants_do_not_spill_at_all(reports):
-    # The forward's budget at d >= 128 is for a few loop scalars in some variants (11 of 26:
-    # 4-32 bytes, docs/tuning.md), not a drift everywhere.  At d = 64 three consumers fill the
+    # The forward's budget at d >= 128 is for a few loop scalars in some variants (5 of 26:
+    # 8-40 bytes, docs/tuning.md), not a drift everywhere.  At d = 64 three consumers fill the
     # SM's registers, and the dense variants spill within their own budget
     # (offline.SPILL_STORE_BUDGET).
     forward = [r for r in reports if r["kernel"] == "forward" and r["hd"] > 64]
     spilling = [r for r in forward if r["spill_stores"]]
-    assert len(spilling) <= len(forward) // 2, "\n".join(map(str, spilling))
+    assert len(spilling) <= len(forward) // 4, "\n".join(map(str, spilling))
 
 
 def test_shared_memory_fits_an_sm90_multiprocessor(reports):
