@@ -234,8 +234,23 @@ def run_gpu_benchmark(
         memory_seqlens = ()
 
     # Peak extra memory of one forward + backward against N (16 heads, d = 128), every peer;
-    # naive attention only while its N x N scores fit.
-    for seqlen in memory_seqlens or ():
+    # naive attention only while its N x N scores fit.  Cut short, it keeps what it measured too.
+    try:
+        _measure_memory(records, impls, causals, memory_seqlens or (), dtype, env)
+    except KeyboardInterrupt:
+        print("memory measurement interrupted; saving what was measured", flush=True)
+
+    # Speed and memory are two benchmarks: each its own .jsonl and plot.
+    save_results([r for r in records if r["bench"] == "attention"], out_dir, "attention", print_table, plot)
+    memory = [r for r in records if r["bench"] == "attention_memory"]
+    if memory:
+        save_results(memory, out_dir, "attention_memory", print_table, plot_memory)
+    return records
+
+
+def _measure_memory(records, impls, causals, memory_seqlens, dtype, env) -> None:
+    """Append one ``attention_memory`` record per (N, implementation, causal) to ``records``."""
+    for seqlen in memory_seqlens:
         for impl in impls:
             for causal in causals:
                 nheads, headdim = 16, 128
@@ -252,13 +267,6 @@ def run_gpu_benchmark(
                 except Exception as e:  # noqa: BLE001
                     records.append(dict(rec, peak_extra_bytes=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
                 torch.cuda.empty_cache()
-
-    # Speed and memory are two benchmarks: each its own .jsonl and plot.
-    save_results([r for r in records if r["bench"] == "attention"], out_dir, "attention", print_table, plot)
-    memory = [r for r in records if r["bench"] == "attention_memory"]
-    if memory:
-        save_results(memory, out_dir, "attention_memory", print_table, plot_memory)
-    return records
 
 
 def print_table(records) -> None:
