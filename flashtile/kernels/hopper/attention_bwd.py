@@ -56,9 +56,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.hopper.tma_reduce import async_reduce_add
-from flashtile.kernels.plans import stand_ins
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask, query_tiles
+from flashtile.kernels.plans import stand_ins
 from flashtile.kernels.runtime import cdiv, l2_bytes
 from flashtile.kernels.tile_info import dealt_tile, section_heads, sequence_bounds
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
