@@ -60,7 +60,7 @@ def stub(monkeypatch):
 def _decode_inputs():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 8, 64, generator=g, dtype=torch.bfloat16)
-    kc, vc = (torch.randn(2, 256, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    kc, vc = (torch.randn(2, 128, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
     kn, vn = (torch.randn(2, 1, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
     return q, kc, vc, kn, vn
 
@@ -105,14 +105,14 @@ def test_rotary_decode_steps_launch_once_per_kernel(stub):
     """Rotary + append: q and the new keys are rotated by the split kernel, so the step makes
     the launches of a plain append step (no rotary kernel, no torch op on q)."""
     q, kc, vc, kn, vn = _decode_inputs()
-    angles = torch.rand(200, 32)
+    angles = torch.rand(110, 32)
     cos, sin = angles.cos(), angles.sin()
     for step in range(6):
         flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=100 + step, rotary_cos=cos,
                                           rotary_sin=sin, causal=True)
     assert stub["ordinary"] == 1 and stub["direct"] == 5
     with pytest.raises(ValueError, match="seqlen_offsets"):  # an int position past the tables, checked per call
-        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=200, rotary_cos=cos, rotary_sin=sin)
+        flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=110, rotary_cos=cos, rotary_sin=sin)
 
 
 @in_child

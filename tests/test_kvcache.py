@@ -227,7 +227,8 @@ def test_split_kernel_softcap_alibi_window_and_batch_idx():
         torch.testing.assert_close(lse[b:b + 1].double(), ref_l, atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("batch,capacity,want", [(1, 32768, 32), (8, 32768, 8), (128, 8192, 1), (1, 2048, 2)])
+@pytest.mark.parametrize("batch,capacity,want", [(1, 32768, 64), (8, 32768, 8), (128, 8192, 1), (1, 2048, 8),
+                                                 (1, 256, 1)])
 def test_num_splits_fill_one_wave_with_long_enough_chunks(batch, capacity, want, monkeypatch):
     from flashtile.kernels import decode as kd
 
@@ -236,9 +237,10 @@ def test_num_splits_fill_one_wave_with_long_enough_chunks(batch, capacity, want,
 
 
 @pytest.mark.parametrize("batch,capacity,paged,want", [
-    (1, 32768, False, (128, 32)),  # 128-key tiles, one program per SM: 32 splits x 4 KV heads
+    (1, 32768, False, (128, 33)),  # 128-key tiles, one program per SM: 33 splits x 4 KV heads
     (8, 8192, False, (128, 4)),
-    (1, 8192, False, (64, 16)),  # a short cache: 64-key tiles for twice the splits
+    (1, 8192, False, (128, 32)),
+    (1, 2048, False, (64, 16)),  # a short cache: 64-key tiles for twice the splits
     (1, 32768, True, (64, 64)),  # paged: 64-key tiles, two programs per SM
     (8, 8192, True, (128, 8)),  # paged with few splits: widened to 128-key tiles
 ])
@@ -660,7 +662,7 @@ def test_launch_configs_fit_the_shared_memory_budget(monkeypatch):
         assert cfg.block_m * hd <= kd.MAX_TILE_ELEMENTS or cfg.block_m == 16
     # The tuned decode configs are kept where they fit: one query row per head, d = 128.
     cfg = kd.launch_config(1, 4, 32768, torch.device("cuda", 0), False, 128, 8, 2)
-    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.num_splits) == (16, 128, kd.STAGES, 32)
+    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.num_splits) == (16, 128, kd.STAGES, 33)
 
 
 @needs_kernels

@@ -66,10 +66,13 @@ STAGES = 3
 # Splits: at most PROGRAMS_PER_SM programs per SM in one wave, each split keeping at least
 # MIN_TILES_PER_SPLIT key tiles (see choose_num_splits).  A contiguous cache's 128-key tiles
 # pipeline three stages of K and V (~136 KB of shared memory), so one program fits per SM:
-# PROGRAMS_PER_SM_WIDE = 1 there (batch 8, 8k: 3.59 TB/s against 3.28 with 2).
+# PROGRAMS_PER_SM_WIDE = 1 there (batch 8, 8k: 3.59 TB/s against 3.28 with 2).  Two tiles a
+# split fill the GPU at short caches, where more per split left SMs idle (batch 1, 1k / 8k,
+# contiguous: 379 / 2090 GB/s against 190 / 1350 with 8; paged16 255 / 1507 against 104 / 837;
+# batch 8, 1k: 1912 against 1434); longer caches reach the wave's limit first either way.
 PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_WIDE = 1
-MIN_TILES_PER_SPLIT = 8
+MIN_TILES_PER_SPLIT = 2
 # Programmatic dependent launch of the combine kernel on Hopper (0: an ordinary launch).
 PDL = 1
 # The knobs in force: these constants, overridden by ``FLASHTILE_DECODE_TUNING``
@@ -487,8 +490,9 @@ def choose_num_splits(batch: int, nheads_k: int, capacity: int, device: torch.de
     ``min_tiles`` key tiles.
 
     Measured on an H200 (cache 32k, GQA 32:4, d = 128, CUDA graph): a partial second wave
-    costs more than it gains (batch 8: 9 splits 3.5-3.8 TB/s, 8 splits 4.1-4.2), and chunks
-    of 4 tiles lose to chunks of 8 (batch 1: 64 splits 2.5 TB/s, 32 splits 2.9).
+    costs more than it gains (batch 8: 9 splits 3.5-3.8 TB/s, 8 splits 4.1-4.2), and 64 splits
+    of 4 tiles lost to 32 of 8 (batch 1: 2.5 TB/s against 2.9), a case that one program per
+    SM for 128-key tiles (``PROGRAMS_PER_SM_WIDE``) keeps at 33 splits whatever the minimum.
     """
     sms = 1 if device.type != "cuda" else sm_count(device.index or 0)
     fill = programs_per_sm * sms // max(1, batch * nheads_k)

@@ -12,7 +12,8 @@ Two engines compute the same attention on CUDA tensors:
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
 The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi), which
-``auto`` takes where it can run the call from head dim 65 (``backward_engine``).
+``auto`` takes where it can run the call, except at head dims up to 64 for short masked and
+deterministic calls (``backward_engine``).
 The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
 the ``tl.*`` one (``fp8_forward_engine``).
 
@@ -43,9 +44,9 @@ ENGINE_KNOBS = register_family("engine", "FLASHTILE_ENGINE", {
                    choices=ENGINES),
 })
 ENGINE_ENV = ENGINE_KNOBS.env_var
-# The Gluon forward runs head dims 33-256; auto sends the Gluon backward head dims from 65
-# only: at 64 and below neither backward is ahead beyond noise in either direction
-# (docs/tuning.md).
+# The Gluon forward runs head dims 33-256.  From head dim 65 auto sends every backward it can
+# run to the Gluon kernel; at 64 and below not the short masked or deterministic ones, where
+# the ``tl.*`` backward measured as fast or faster (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
 GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128.
@@ -122,10 +123,31 @@ SHORT_MASKED_ROWS = 2048
 GLUON_THREE_CONSUMERS_MAX_HEADDIM = 64
 
 
-def short_masked(seqlen_q: int, window_left: int, window_right: int) -> bool:
-    """Whether a forward of ``seqlen_q`` query rows (a packed batch's longest) with this
-    window (``-1``: unbounded on that side; causal is ``window_right = 0``) is short masked."""
-    return is_masked(window_left, window_right) and seqlen_q < SHORT_MASKED_ROWS
+# The backward's counterpart, at head dims up to 64: the ``tl.*`` backward measured as fast or
+# faster than the Gluon one for masked calls below this (d = 64 causal, H200, forward +
+# backward: N = 2k 309 against 288 TFLOP/s, 4k 352 against 353; docs/tuning.md).
+SHORT_MASKED_BACKWARD_ROWS = 4096
+
+
+def short_masked(seqlen_q: int, window_left: int, window_right: int, rows: int = SHORT_MASKED_ROWS) -> bool:
+    """Whether a call of ``seqlen_q`` query rows (a packed batch's longest) with this window
+    (``-1``: unbounded on that side; causal is ``window_right = 0``) is short masked: masked,
+    and fewer rows than ``rows`` (the forward's ``SHORT_MASKED_ROWS``, or the backward's
+    ``SHORT_MASKED_BACKWARD_ROWS``)."""
+    return is_masked(window_left, window_right) and seqlen_q < rows
+
+
+# An unmasked Gluon forward with fewer query rows than this runs two consumers too at head dims
+# up to 64: of the 192-row tiles of a head the last one is mostly empty there (d = 64, N = 512,
+# H200: 284 TFLOP/s with three consumers, 363 with two; at N = 1k 415 against 410).
+THREE_CONSUMERS_MIN_ROWS = 1024
+
+
+def two_consumer_call(seqlen_q: int, window_left: int, window_right: int) -> bool:
+    """Whether a Gluon forward of ``seqlen_q`` query rows with this window takes the two-consumer
+    tiles at head dims up to 64 (``attention_fwd.call_config``): a short masked call, or an
+    unmasked one of fewer than ``THREE_CONSUMERS_MIN_ROWS`` rows."""
+    return short_masked(seqlen_q, window_left, window_right) or seqlen_q < THREE_CONSUMERS_MIN_ROWS
 
 
 def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
@@ -170,14 +192,18 @@ def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: fl
     return None
 
 
-def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None) -> str:
-    """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device.
+def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
+                    short: bool = False, deterministic: bool = False) -> str:
+    """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device (``short``: the
+    call is :func:`short_masked` with ``rows=SHORT_MASKED_BACKWARD_ROWS``; ``deterministic``:
+    ``deterministic=True``).
 
-    ``auto`` takes the Gluon backward where it can run the call, for the forward's head dims
-    (``GLUON_BACKWARD_AUTO_MIN_HEADDIM`` up): at d = 128 forward + backward measured 1.1-1.3x the
-    ``tl.*`` backward's TFLOP/s on an H200 from N = 2k (bf16; 0.8-1.2x at N = 512 / 1k, where
-    both are far below cuDNN), while at d = 64 the two were within -10 % / +13 % of each other
-    with no consistent winner below N = 8k (docs/tuning.md).
+    ``auto`` takes the Gluon backward where it can run the call: at d = 128 forward + backward
+    measured 1.1-1.3x the ``tl.*`` backward's TFLOP/s on an H200 from N = 2k (bf16; 0.8-1.2x at
+    N = 512 / 1k, where both are far below cuDNN); at head dims up to 64 (its 128-row query
+    tiles there, ``attention_bwd.config_for``) 1.12-1.23x from N = 2k non-causal and from
+    N = 8k causal, but not for short masked calls (d = 64 causal, N = 2k: 288 against 309) nor
+    deterministic ones (the two engines within noise; docs/tuning.md).
     Like flash-attn's, it adds dQ in no fixed order, so gradients are not bitwise
     reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
     its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ.
@@ -187,7 +213,8 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     if wanted == "triton":
         return "triton"
     reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes)
-    if reason is None and (wanted == "gluon" or q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM):
+    pays = q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM or not (short or deterministic)
+    if reason is None and (wanted == "gluon" or pays):
         return "gluon"
     if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon backward cannot run this call: {reason}")

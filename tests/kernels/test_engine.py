@@ -33,6 +33,9 @@ def test_short_masked_calls_are_masked_ones_with_few_query_rows():
     assert engine.short_masked(1000, 3, 3)
     assert not engine.short_masked(rows, -1, 0)
     assert not engine.short_masked(1, -1, -1)  # no mask
+    backward_rows = engine.SHORT_MASKED_BACKWARD_ROWS
+    assert engine.short_masked(backward_rows - 1, -1, 0, backward_rows)
+    assert not engine.short_masked(backward_rows, -1, 0, backward_rows)
 
 
 def test_reasons_cover_what_the_gluon_forward_lacks():
@@ -71,7 +74,10 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.forward_engine(make(128), make(128), softcap=5.0) == "triton"
     assert engine.backward_engine(make(128), make(128)) == "gluon"
     assert engine.backward_engine(make(96), make(96)) == "gluon"
-    assert engine.backward_engine(make(64), make(64)) == "triton"  # the forward's head-dim rule
+    assert engine.backward_engine(make(64), make(64)) == "gluon"
+    assert engine.backward_engine(make(64), make(64), short=True) == "triton"
+    assert engine.backward_engine(make(64), make(64), deterministic=True) == "triton"
+    assert engine.backward_engine(make(128), make(128), short=True, deterministic=True) == "gluon"
     assert engine.backward_engine(make(256), make(256)) == "triton"  # past the Gluon backward's head dims
     assert engine.backward_engine(make(128), make(128), softcap=5.0) == "triton"
 
@@ -86,6 +92,30 @@ def test_forced_gluon_backward_rule_on_hopper(monkeypatch):
     assert engine.backward_engine(make(64), make(64)) == "gluon"
     with pytest.raises(NotImplementedError, match="head dim 256"):
         engine.backward_engine(make(256), make(256))
+
+
+def test_auto_backward_rule_by_head_dim_short_masked_and_deterministic(monkeypatch):
+    # The rule itself, on any machine: the Gluon backward taken as able to run every call.
+    monkeypatch.delenv(engine.ENGINE_ENV, raising=False)
+    monkeypatch.setattr(engine, "gluon_backward_reason", lambda *args: None)
+    q = lambda d: torch.zeros(1, 4, 2, d)  # noqa: E731
+    for d in (40, 64):
+        assert engine.backward_engine(q(d), q(d)) == "gluon"
+        assert engine.backward_engine(q(d), q(d), short=True) == "triton"
+        assert engine.backward_engine(q(d), q(d), deterministic=True) == "triton"
+    for d in (65, 96, 128):
+        assert engine.backward_engine(q(d), q(d), short=True, deterministic=True) == "gluon"
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    assert engine.backward_engine(q(64), q(64), short=True, deterministic=True) == "gluon"
+    monkeypatch.setenv(engine.ENGINE_ENV, "triton")
+    assert engine.backward_engine(q(128), q(128)) == "triton"
+
+
+def test_two_consumer_calls_are_short_masked_or_few_unmasked_rows():
+    assert engine.two_consumer_call(engine.THREE_CONSUMERS_MIN_ROWS - 1, -1, -1)
+    assert not engine.two_consumer_call(engine.THREE_CONSUMERS_MIN_ROWS, -1, -1)
+    assert engine.two_consumer_call(engine.SHORT_MASKED_ROWS - 1, -1, 0)
+    assert not engine.two_consumer_call(engine.SHORT_MASKED_ROWS, -1, 0)
 
 
 def test_fp8_takes_the_tl_kernel_unless_gluon_is_forced(monkeypatch):

@@ -11,8 +11,9 @@
 
 Like the forward, each pass walks its tiles in up to three runs (``query_tiles`` /
 ``key_tiles``) so that only the edge tiles pay for the mask.  On Hopper, where
-``engine.backward_engine`` picks it (head dims 65-128), steps 2 and 3 run as the Gluon kernel
-of ``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
+``engine.backward_engine`` picks it (head dims up to 128; at 64 and below not for short masked
+or deterministic calls), steps 2 and 3 run as the Gluon kernel of
+``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
 and step 3 as here).
 """
 
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import backward_engine, engine_setting
+from flashtile.kernels.engine import SHORT_MASKED_BACKWARD_ROWS, backward_engine, engine_setting, short_masked
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import key_tiles, query_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
@@ -334,7 +335,10 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
     lse2 = torch.empty_like(lse)
     # Every launch through the launch layer: after the first call of a class, directly.
     launch(*_preprocess_launch(layout, out, dout, lse, dlse, delta, lse2, d))
-    if configs is None and backward_engine(q, k, params.dropout, params.softcap, params.alibi_slopes) == "gluon":
+    if configs is None and backward_engine(q, k, params.dropout, params.softcap, params.alibi_slopes,
+                                           short_masked(layout.seqlen_q, params.window_left, params.window_right,
+                                                        SHORT_MASKED_BACKWARD_ROWS),
+                                           params.deterministic) == "gluon":
         from flashtile.kernels.hopper import attention_bwd
 
         dq_acc, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
@@ -434,7 +438,8 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
                                                          lse, params, cfg_q)
     dq = bind(dq_kernel, dq_grid, dq_options, _templates(dq_args, 5), tail_from=12)
     stride_ab = dq_args[9]
-    gluon = backward_engine(q, k, None, params.softcap, None) == "gluon"
+    short = short_masked(q.shape[1], params.window_left, params.window_right, SHORT_MASKED_BACKWARD_ROWS)
+    gluon = backward_engine(q, k, None, params.softcap, None, short, params.deterministic) == "gluon"
     finish = None  # dQ from what ``gradients`` returns for it, where that is a workspace
     if gluon:
         from flashtile.kernels.hopper import attention_bwd

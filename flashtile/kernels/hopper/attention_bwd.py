@@ -5,7 +5,7 @@ tiles that see it (``query_tiles``), for every query head of its GQA group, reco
 probabilities from the saved LSE.  Three partitions share shared memory:
 
 * **producer** (1 warp): TMA-loads the key and value tile once, then streams the query and
-  output-gradient tiles (``Q_i``, ``dO_i``, ``BLOCK_M = 64`` rows) through a
+  output-gradient tiles (``Q_i``, ``dO_i``, ``BLOCK_M`` rows: 128 up to d = 64, else 64) through a
   ``NUM_STAGES``-deep ring; each slot has a *ready* barrier (TMA completion of both tiles) and
   an *empty* one (both consumers are done with it).
 * **two consumers** (one warpgroup each): each owns 64 of the 128 keys and keeps their dK and
@@ -416,7 +416,7 @@ class HopperBwdConfig(RegisterBudget):
 # The alternatives to the default configuration (``config_from_spec`` specs) that the
 # offline compile check covers, the GPU tests check and ``benchmarks/bench_hopper_bwd.py
 # --variants`` times against the default (docs/tuning.md).
-ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1")
+ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=64+dq_lag=0")
 
 # dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
 # consumers' budget up to d = 128.
@@ -426,16 +426,17 @@ MAX_HEADDIM = 128
 @functools.lru_cache(maxsize=None)
 def config_for(head_dim_pad: int) -> HopperBwdConfig:
     """The tile configuration per padded head dim, the fastest measured on an H200 (forward +
-    backward, bf16, N = 1k-16k; docs/tuning.md): the TMA's dQ add everywhere, and at d = 128
-    the late dQ GEMM too (at d = 64 it measured within noise of the TMA add alone)."""
-    return HopperBwdConfig(dq_tma=True, dq_lag=head_dim_pad > 64)
+    backward, bf16, N = 1k-16k; docs/tuning.md): the TMA's dQ add and the late dQ GEMM, with
+    128-row query tiles up to d = 64 (each consumer's score tiles 64 keys x 128 queries: half
+    the steps, each with twice the GEMM work per barrier and exchange)."""
+    return HopperBwdConfig(dq_tma=True, dq_lag=True, block_m=128 if head_dim_pad <= 64 else 64)
 
 
 def deterministic_config(head_dim_pad: int) -> HopperBwdConfig:
     """The configuration of a ``deterministic=True`` backward: dK and dV only (every program
     owns its keys' rows, so they are reproducible bit for bit), dQ left to the ``tl.*`` dQ
     kernel, whose programs own their rows too."""
-    return dataclasses.replace(config_for(head_dim_pad), with_dq=False, dq_tma=False, dq_lag=False, dk_smem=False)
+    return HopperBwdConfig(with_dq=False)
 
 
 def config_from_spec(head_dim_pad: int, spec: str) -> HopperBwdConfig:

@@ -491,19 +491,21 @@ class HopperConfig(RegisterBudget):
 
 
 @functools.lru_cache(maxsize=None)
-def config_for(head_dim_pad: int, short_masked: bool = False) -> HopperConfig:
+def config_for(head_dim_pad: int, two_consumers: bool = False) -> HopperConfig:
     """The tile configuration per padded head dim (shared memory: Q + stages * (K + V));
-    ``short_masked``: a causal or windowed call with few query rows (``engine.short_masked``,
-    which ``call_config`` asks).  The measured alternatives (BLOCK_N, ping-pong, persistent
-    grid, consumers) are in docs/tuning.md.
+    ``two_consumers``: a call that takes two consumers at head dims up to 64 too
+    (``engine.two_consumer_call``, which ``call_config`` asks).  The measured alternatives
+    (BLOCK_N, ping-pong, persistent grid, consumers) are in docs/tuning.md.
 
     Up to d = 64 three consumers share a 192-row query tile: there the softmax's ``exp2``
     take the exp2 units as long as the tile's GEMMs take the tensor cores, and with three
     warpgroups each one's softmax has two others' GEMMs to hide under (three 160-register
     consumers and the producer fill the SM's registers).  A short masked call keeps two: the
     192-row tiles cut the diagonal more coarsely, so more of their key tiles are masked and
-    partly wasted (d = 64, N = 1k causal: 258 TFLOP/s with three consumers, 307 with two)."""
-    if head_dim_pad <= engine.GLUON_THREE_CONSUMERS_MAX_HEADDIM and not short_masked:
+    partly wasted (d = 64, N = 1k causal: 258 TFLOP/s with three consumers, 307 with two);
+    so does an unmasked call of few rows, whose last 192-row tile is mostly empty (N = 512:
+    284 against 363)."""
+    if head_dim_pad <= engine.GLUON_THREE_CONSUMERS_MAX_HEADDIM and not two_consumers:
         return HopperConfig(block_n=128, num_stages=2, q_buffers=2, consumers=3, consumer_regs=160)
     if head_dim_pad <= 128:
         return HopperConfig(block_n=128, num_stages=2, q_buffers=2)
@@ -513,7 +515,7 @@ def config_for(head_dim_pad: int, short_masked: bool = False) -> HopperConfig:
 def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right: int) -> HopperConfig:
     """``config_for`` of a call with ``seqlen_q`` query rows (a packed batch's longest) and
     this window (``-1``: unbounded on that side; causal is ``window_right = 0``)."""
-    return config_for(head_dim_pad, engine.short_masked(seqlen_q, window_left, window_right))
+    return config_for(head_dim_pad, engine.two_consumer_call(seqlen_q, window_left, window_right))
 
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs) that the offline
@@ -522,10 +524,10 @@ def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right
 ALTERNATIVES = ("q_buffers=1",)
 
 
-def config_from_spec(head_dim_pad: int, spec: str, short_masked: bool = False) -> HopperConfig:
-    """``config_for(head_dim_pad, short_masked)`` with the changes of ``spec``
+def config_from_spec(head_dim_pad: int, spec: str, two_consumers: bool = False) -> HopperConfig:
+    """``config_for(head_dim_pad, two_consumers)`` with the changes of ``spec``
     (``hopper.config_changes``; ``""``: the default itself)."""
-    return configured(config_for, spec)(head_dim_pad, short_masked)
+    return configured(config_for, spec)(head_dim_pad, two_consumers)
 
 
 def layout_schedule(layout, k, cfg, window_left, window_right) -> int:

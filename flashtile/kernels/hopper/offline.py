@@ -33,9 +33,14 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # * backward, d = 128: dK and dV of 64 keys (128 fp32 registers a thread) beside the score,
 #   dP and dQ tiles leave the loop's scalars and addresses in local memory (136-228 bytes in
 #   the default configuration, 432-648 with the atomics of the ``dq_tma=0+dq_lag=0``
-#   alternative; loaded from L1 once a step).  d = 64 spills nothing.
+#   alternative; loaded from L1 once a step); d = 64, 128-row query tiles: each consumer's
+#   score and dP tiles (64 keys x 128 queries, 128 fp32 registers a thread) beside dK, dV and
+#   the dQ share leave 128 bytes in local memory dense, 176-216 packed or windowed, 436-444
+#   causal (up to 776 in the alternatives with vector atomics; the 64-row tiles of
+#   ``block_m=64`` spill nothing).  The spilling tiles measured faster all the same
+#   (docs/tuning.md).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
-                      ("backward", 64): 0, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
+                      ("backward", 64): 776, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
 
 
 # The backward's integer arguments that are 1 for one row of one sequence against one key, in
@@ -59,11 +64,11 @@ def _aligned(fn, names) -> dict:
 
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
                     dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = "",
-                    short_masked: bool = False):
+                    two_consumers: bool = False):
     """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
     (``alternative``: one of ``attention_fwd.ALTERNATIVES`` instead of the default configuration;
-    ``short_masked``: the configuration of a masked call with few query rows, ``config_for``)."""
-    cfg = config or fwd.config_from_spec(hd, alternative, short_masked)
+    ``two_consumers``: the configuration of a call with few query rows at d = 64, ``config_for``)."""
+    cfg = config or fwd.config_from_spec(hd, alternative, two_consumers)
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
             "nheads group headdim window_left window_right num_items section_heads").split()
@@ -151,10 +156,10 @@ def variants():
     for alternative, causal, hd in itertools.product(fwd.ALTERNATIVES, (False, True), (64, 128)):
         yield dict(kernel="forward", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16",
                    alternative=alternative)
-    # The two-consumer tiles of short masked calls at d = 64 (``attention_fwd.call_config``).
-    for (causal, window), varlen in itertools.product(((True, False), (False, True)), (False, True)):
+    # The two-consumer tiles of short calls at d = 64 (``attention_fwd.call_config``).
+    for (causal, window), varlen in itertools.product(((False, False), (True, False), (False, True)), (False, True)):
         yield dict(kernel="forward", hd=64, causal=causal, window=window, varlen=varlen, dtype="bf16",
-                   short_masked=True)
+                   two_consumers=True)
     for alternative, causal, hd in itertools.product(fp8.ALTERNATIVES, (False, True), HEAD_DIMS["fp8"]):
         yield dict(kernel="fp8", hd=hd, causal=causal, alternative=alternative)
     for alternative, (causal, window), varlen, hd in itertools.product(

@@ -114,14 +114,14 @@ def test_gluon_forward_alternative_configurations_match_reference(case, alternat
 
 
 # Both configurations of head dims up to 64 on every such case, whatever the call's own rule
-# (``call_config``) would pick: three consumers (192-row tiles) and the two of short masked calls.
+# (``call_config``) would pick: three consumers (192-row tiles) and the two of short calls.
 @needs_hopper
-@pytest.mark.parametrize("short_masked", [False, True], ids=["three-consumers", "two-consumers"])
+@pytest.mark.parametrize("two_consumers", [False, True], ids=["three-consumers", "two-consumers"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] <= 64], ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
     *c[:6], "causal" if c[6] else "full", c[7]))
-def test_gluon_forward_both_small_head_dim_configurations_match_reference(case, short_masked):
-    cfg = attention_fwd.config_for(64, short_masked)
-    assert cfg.consumers == (2 if short_masked else 3)
+def test_gluon_forward_both_small_head_dim_configurations_match_reference(case, two_consumers):
+    cfg = attention_fwd.config_for(64, two_consumers)
+    assert cfg.consumers == (2 if two_consumers else 3)
     _check_config(case, cfg)
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 hopper = pytest.importorskip("flashtile.kernels.hopper")
-from flashtile.kernels.engine import SHORT_MASKED_ROWS  # noqa: E402
+from flashtile.kernels.engine import SHORT_MASKED_ROWS, THREE_CONSUMERS_MIN_ROWS  # noqa: E402
 from flashtile.kernels.hopper import attention_bwd, attention_fp8, attention_fwd  # noqa: E402  (after the skip)
 
 
@@ -29,14 +29,17 @@ def test_forward_alternatives_change_the_default(spec, head_dim_pad):
     assert attention_fwd.config_from_spec(head_dim_pad, "") == default
 
 
-def test_three_consumers_serve_small_head_dims_but_not_short_masked_calls():
-    assert attention_fwd.call_config(64, 1000, -1, -1).consumers == 3
-    assert attention_fwd.call_config(64, 1000, -1, 0).consumers == 2  # causal, short
-    assert attention_fwd.call_config(64, 1000, 128, -1).consumers == 2  # left window, short
+def test_three_consumers_serve_small_head_dims_but_not_short_calls():
+    assert attention_fwd.call_config(64, THREE_CONSUMERS_MIN_ROWS, -1, -1).consumers == 3
+    assert attention_fwd.call_config(64, THREE_CONSUMERS_MIN_ROWS - 1, -1, -1).consumers == 2  # unmasked, few rows
+    assert attention_fwd.call_config(64, 512, -1, -1).consumers == 2
+    assert attention_fwd.call_config(64, 1500, -1, 0).consumers == 2  # causal, short
+    assert attention_fwd.call_config(64, 1500, 128, -1).consumers == 2  # left window, short
     assert attention_fwd.call_config(64, SHORT_MASKED_ROWS, -1, 0).consumers == 3
     assert attention_fwd.call_config(128, 16384, -1, -1).consumers == 2
-    for short_masked in (False, True):
-        cfg = attention_fwd.config_for(64, short_masked)
+    assert attention_fwd.call_config(128, 512, -1, -1).consumers == 2
+    for two_consumers in (False, True):
+        cfg = attention_fwd.config_for(64, two_consumers)
         assert cfg.block_m == 64 * cfg.consumers
         # The consumers' and producer's requests fit the SM's 64K registers, and the kernel-wide
         # cap leaves the first consumer (the default partition) at least the others' budget.
@@ -66,3 +69,11 @@ def test_a_spec_naming_no_field_is_rejected():
         attention_fwd.config_from_spec(128, "no_such_knob=1")
     with pytest.raises(TypeError):
         attention_bwd.config_from_spec(128, "no_such_knob=1")
+
+
+def test_backward_takes_128_row_query_tiles_up_to_head_dim_64_but_not_when_deterministic():
+    assert attention_bwd.config_for(64).block_m == 128
+    assert attention_bwd.config_for(128).block_m == 64
+    for head_dim_pad in (64, 128):
+        det = attention_bwd.deterministic_config(head_dim_pad)
+        assert (det.block_m, det.with_dq, det.dq_tma, det.dq_lag, det.dk_smem) == (64, False, False, False, False)
