@@ -369,12 +369,12 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
     n = len(launches) // 3
     first, planned, general = launches[:n], launches[n:2 * n], launches[2 * n:]
     assert first == planned == general and len(launches) == 3 * n
-    # 130 query rows with a mask are short masked; at d = 64 auto keeps those and deterministic
-    # calls on tl.*.
-    gluon = engine == "auto" and case != "softcap" and (d > 64 or case == "full")
+    # 130 query rows with a mask are short masked; at d = 64 auto keeps those on tl.*.
+    gluon = engine == "auto" and case != "softcap" and (d > 64 or case in ("full", "deterministic"))
     expected = ["_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
-    if gluon:  # deterministic: dK and dV on the Gluon kernel, dQ on the tl.* one
-        expected = ["_bwd_preprocess", "attention_bwd_kernel"] + (["_attn_bwd_dq"] if case == "deterministic" else [])
+    if gluon:  # deterministic: dK and dV on the Gluon kernel, dQ on the tl.* one; else dQ from its workspace
+        expected = ["_bwd_preprocess", "attention_bwd_kernel",
+                    "_attn_bwd_dq" if case == "deterministic" else "_dq_from_workspace"]
     assert [name for name, *_ in planned] == expected
     if gluon:
         with_dq = dict(planned[1][3])["WITH_DQ"]
@@ -389,11 +389,10 @@ def test_stubbed_gluon_backward_lets_go_of_the_preprocess_rows_before_dq_convers
 
     from flashtile.kernels import launch as launch_mod
     from flashtile.kernels.attention import backward
-    from flashtile.kernels.hopper import attention_bwd
 
     monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
     rows, alive = [], []
-    recording, bound_call, convert = backward.launch, launch_mod.BoundLaunch.__call__, attention_bwd.dq_from_workspace
+    recording, bound_call, convert = backward.launch, launch_mod.BoundLaunch.__call__, backward.dq_from_workspace
 
     def launch(kernel, grid, args, options, dynamic=()):
         if kernel.fn.__name__ == "_bwd_preprocess":
@@ -411,7 +410,7 @@ def test_stubbed_gluon_backward_lets_go_of_the_preprocess_rows_before_dq_convers
 
     monkeypatch.setattr(backward, "launch", launch)
     monkeypatch.setattr(launch_mod.BoundLaunch, "__call__", call)
-    monkeypatch.setattr(attention_bwd, "dq_from_workspace", dq_from_workspace)
+    monkeypatch.setattr(backward, "dq_from_workspace", dq_from_workspace)
     q, k, v = _qkv((2, 130, 4, 128), (2, 300, 4, 128), dtype=torch.bfloat16)
     out, dout, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 4, 130)
     for _ in range(2):  # the key's first call goes the general way, the second builds and runs the plan

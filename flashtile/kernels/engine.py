@@ -12,8 +12,8 @@ Two engines compute the same attention on CUDA tensors:
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
 The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi), which
-``auto`` takes where it can run the call, except at head dims up to 64 for short masked and
-deterministic calls (``backward_engine``).
+``auto`` takes where it can run the call, except at head dims up to 64 for short masked calls
+(``backward_engine``).
 The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
 the ``tl.*`` one (``fp8_forward_engine``).
 
@@ -45,8 +45,8 @@ ENGINE_KNOBS = register_family("engine", "FLASHTILE_ENGINE", {
 })
 ENGINE_ENV = ENGINE_KNOBS.env_var
 # The Gluon forward runs head dims 33-256.  From head dim 65 auto sends every backward it can
-# run to the Gluon kernel; at 64 and below not the short masked or deterministic ones, where
-# the ``tl.*`` backward measured as fast or faster (docs/tuning.md).
+# run to the Gluon kernel; at 64 and below not the short masked ones, where the ``tl.*``
+# backward measured as fast or faster (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
 GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128.
@@ -193,27 +193,27 @@ def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: fl
 
 
 def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
-                    short: bool = False, deterministic: bool = False) -> str:
+                    short: bool = False) -> str:
     """``"gluon"`` or ``"triton"`` for an attention backward on ``q``'s device (``short``: the
-    call is :func:`short_masked` with ``rows=SHORT_MASKED_BACKWARD_ROWS``; ``deterministic``:
-    ``deterministic=True``).
+    call is :func:`short_masked` with ``rows=SHORT_MASKED_BACKWARD_ROWS``).
 
     ``auto`` takes the Gluon backward where it can run the call: at d = 128 forward + backward
     measured 1.1-1.3x the ``tl.*`` backward's TFLOP/s on an H200 from N = 2k (bf16; 0.8-1.2x at
     N = 512 / 1k, where both are far below cuDNN); at head dims up to 64 (its 128-row query
     tiles there, ``attention_bwd.config_for``) 1.12-1.23x from N = 2k non-causal and from
-    N = 8k causal, but not for short masked calls (d = 64 causal, N = 2k: 288 against 309) nor
-    deterministic ones (the two engines within noise; docs/tuning.md).
+    N = 8k causal, but not for short masked calls (d = 64 causal, N = 2k: 288 against 309;
+    docs/tuning.md).
     Like flash-attn's, it adds dQ in no fixed order, so gradients are not bitwise
     reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
-    its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ.
+    its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ (at
+    d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls).
     ``triton`` / ``gluon`` force one.
     """
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
     reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes)
-    pays = q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM or not (short or deterministic)
+    pays = q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM or not short
     if reason is None and (wanted == "gluon" or pays):
         return "gluon"
     if wanted == "gluon":

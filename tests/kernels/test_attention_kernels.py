@@ -140,6 +140,24 @@ def test_backward_takes_views_of_a_longer_sequence():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape, headdim", [((2, 17, 3, 64), 40), ((1, 5, 2, 128), 128), ((3, 1, 1, 32), 32)])
+def test_dq_from_workspace_scales_and_rounds_the_first_headdim_columns(shape, headdim, dtype):
+    # The Gluon backward's fp32 dQ workspace (the padded head dim last) into dQ: a row count
+    # that is no multiple of the kernel's block, columns past the true head dim dropped.
+    from flashtile.kernels.attention.backward import dq_from_workspace
+
+    acc = torch.randn(shape, dtype=torch.float32, device=DEVICE)
+    dq = dq_from_workspace(acc, headdim, 0.3, dtype)
+    assert dq.shape == (*shape[:-1], headdim) and dq.dtype == dtype and dq.is_contiguous()
+    expected = (acc[..., :headdim] * 0.3).to(dtype)
+    if INTERPRET and dtype == torch.bfloat16:  # the interpreter rounds to bf16 its own way: one ulp
+        torch.testing.assert_close(dq.float(), expected.float(), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(dq, expected)
+
+
+@needs_kernels
 def test_strided_alibi_slopes_and_cu_seqlens():
     """ALiBi slopes and cu_seqlens as every-other-entry views: as contiguous copies."""
     q, k, v = random_qkv(2, 24, 24, 2, 1, 32, device=DEVICE)

@@ -76,8 +76,7 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.backward_engine(make(96), make(96)) == "gluon"
     assert engine.backward_engine(make(64), make(64)) == "gluon"
     assert engine.backward_engine(make(64), make(64), short=True) == "triton"
-    assert engine.backward_engine(make(64), make(64), deterministic=True) == "triton"
-    assert engine.backward_engine(make(128), make(128), short=True, deterministic=True) == "gluon"
+    assert engine.backward_engine(make(128), make(128), short=True) == "gluon"
     assert engine.backward_engine(make(256), make(256)) == "triton"  # past the Gluon backward's head dims
     assert engine.backward_engine(make(128), make(128), softcap=5.0) == "triton"
 
@@ -94,7 +93,7 @@ def test_forced_gluon_backward_rule_on_hopper(monkeypatch):
         engine.backward_engine(make(256), make(256))
 
 
-def test_auto_backward_rule_by_head_dim_short_masked_and_deterministic(monkeypatch):
+def test_auto_backward_rule_by_head_dim_and_short_masked(monkeypatch):
     # The rule itself, on any machine: the Gluon backward taken as able to run every call.
     monkeypatch.delenv(engine.ENGINE_ENV, raising=False)
     monkeypatch.setattr(engine, "gluon_backward_reason", lambda *args: None)
@@ -102,11 +101,10 @@ def test_auto_backward_rule_by_head_dim_short_masked_and_deterministic(monkeypat
     for d in (40, 64):
         assert engine.backward_engine(q(d), q(d)) == "gluon"
         assert engine.backward_engine(q(d), q(d), short=True) == "triton"
-        assert engine.backward_engine(q(d), q(d), deterministic=True) == "triton"
     for d in (65, 96, 128):
-        assert engine.backward_engine(q(d), q(d), short=True, deterministic=True) == "gluon"
+        assert engine.backward_engine(q(d), q(d), short=True) == "gluon"
     monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
-    assert engine.backward_engine(q(64), q(64), short=True, deterministic=True) == "gluon"
+    assert engine.backward_engine(q(64), q(64), short=True) == "gluon"
     monkeypatch.setenv(engine.ENGINE_ENV, "triton")
     assert engine.backward_engine(q(128), q(128)) == "triton"
 

@@ -12,7 +12,7 @@
 Like the forward, each pass walks its tiles in up to three runs (``query_tiles`` /
 ``key_tiles``) so that only the edge tiles pay for the mask.  On Hopper, where
 ``engine.backward_engine`` picks it (head dims up to 128; at 64 and below not for short masked
-or deterministic calls), steps 2 and 3 run as the Gluon kernel of
+calls), steps 2 and 3 run as the Gluon kernel of
 ``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
 and step 3 as here).
 """
@@ -70,6 +70,17 @@ def _bwd_preprocess(
     # Rows with no visible key (LSE = -inf) get +inf, so exp2(s - LSE2) is exactly 0 for them.
     tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634),
              mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dq_from_workspace(ACC, DQ, rows, headdim, scale, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """``DQ = scale * ACC[:, :headdim]`` rounded to DQ's dtype: the Gluon backward's fp32 dQ
+    workspace (rows of ``HEAD_DIM``, the padded head dim) into dQ (rows of ``headdim``)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.arange(0, HEAD_DIM)
+    mask = (r < rows)[:, None] & (c < headdim)[None, :]
+    acc = tl.load(ACC + r[:, None] * HEAD_DIM + c[None, :], mask=mask)
+    tl.store(DQ + r[:, None] * headdim + c[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -281,6 +292,22 @@ def _preprocess_launch(layout, out, dout, lse, dlse, delta, lse2, d):
     return _bwd_preprocess, (cdiv(layout.seqlen_q, pre_m) * layout.batch * layout.nheads,), args, options
 
 
+def dq_from_workspace(dq_acc, headdim, softmax_scale, dtype):
+    """dQ from the Gluon backward's fp32 workspace (contiguous, the padded head dim last):
+    scaled and rounded to ``dtype`` in one pass (a ``tl.*`` kernel at the copy rate; ``torch.mul``
+    into a 16-bit output took 68 against 53 us on an H200, docs/tuning.md), with no fp32
+    temporary beside the workspace.  The workspace, dQ, dK and dV are all alive here, so the
+    caller lets go of everything else first."""
+    dq = torch.empty((*dq_acc.shape[:-1], headdim), dtype=dtype, device=dq_acc.device)
+    hd = dq_acc.shape[-1]
+    rows = dq_acc.numel() // hd if hd else 0
+    if rows:
+        block_rows = 32 if not INTERPRET else 16
+        launch(_dq_from_workspace, (cdiv(rows, block_rows),), (dq_acc, dq, rows, headdim, softmax_scale),
+               dict(HEAD_DIM=hd, BLOCK_ROWS=block_rows, num_warps=4))
+    return dq
+
+
 def _gradient_args(layout, q_, lse, params: AttentionParams):
     """What the ``tl.*`` dK/dV and dQ kernels share: ``(ALiBi tensor and stride, the cu_seqlens
     and LSE strides, the scalars, the constexprs)``."""
@@ -337,8 +364,7 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
     launch(*_preprocess_launch(layout, out, dout, lse, dlse, delta, lse2, d))
     if configs is None and backward_engine(q, k, params.dropout, params.softcap, params.alibi_slopes,
                                            short_masked(layout.seqlen_q, params.window_left, params.window_right,
-                                                        SHORT_MASKED_BACKWARD_ROWS),
-                                           params.deterministic) == "gluon":
+                                                        SHORT_MASKED_BACKWARD_ROWS)) == "gluon":
         from flashtile.kernels.hopper import attention_bwd
 
         dq_acc, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
@@ -350,7 +376,7 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
             launch(*_dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params, cfg_q))
             return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
         del lse2, delta  # read: dQ's conversion is the peak of memory
-        return attention_bwd.dq_from_workspace(dq_acc, d, params.softmax_scale, q.dtype), unpad(dk_, d), unpad(dv_, d)
+        return dq_from_workspace(dq_acc, d, params.softmax_scale, q.dtype), unpad(dk_, d), unpad(dv_, d)
 
     dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
     dk_ = torch.empty(k_.shape, dtype=k.dtype, device=k.device)
@@ -439,7 +465,7 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
     dq = bind(dq_kernel, dq_grid, dq_options, _templates(dq_args, 5), tail_from=12)
     stride_ab = dq_args[9]
     short = short_masked(q.shape[1], params.window_left, params.window_right, SHORT_MASKED_BACKWARD_ROWS)
-    gluon = backward_engine(q, k, None, params.softcap, None, short, params.deterministic) == "gluon"
+    gluon = backward_engine(q, k, None, params.softcap, None, short) == "gluon"
     finish = None  # dQ from what ``gradients`` returns for it, where that is a workspace
     if gluon:
         from flashtile.kernels.hopper import attention_bwd
@@ -457,7 +483,7 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
             return dq_acc, dk_, dv_
 
         if not params.deterministic:
-            finish = functools.partial(attention_bwd.dq_from_workspace, headdim=d,
+            finish = functools.partial(dq_from_workspace, headdim=d,
                                        softmax_scale=params.softmax_scale, dtype=dtype)
     else:
         dkdv_kernel, dkdv_grid, dkdv_args, dkdv_options = _dkdv_launch(layout, q, k, v, dout, *samples[1:], sample_lse2,

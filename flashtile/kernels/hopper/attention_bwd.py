@@ -435,8 +435,10 @@ def config_for(head_dim_pad: int) -> HopperBwdConfig:
 def deterministic_config(head_dim_pad: int) -> HopperBwdConfig:
     """The configuration of a ``deterministic=True`` backward: dK and dV only (every program
     owns its keys' rows, so they are reproducible bit for bit), dQ left to the ``tl.*`` dQ
-    kernel, whose programs own their rows too."""
-    return HopperBwdConfig(with_dq=False)
+    kernel, whose programs own their rows too; the query tiles of ``config_for`` (128 rows
+    up to d = 64: at d = 64, N = 4k / 16k, 1.16 / 1.08x the 64-row tiles non-causal,
+    docs/tuning.md)."""
+    return HopperBwdConfig(with_dq=False, block_m=config_for(head_dim_pad).block_m)
 
 
 def config_from_spec(head_dim_pad: int, spec: str) -> HopperBwdConfig:
@@ -490,7 +492,7 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
     from the preprocess's ``lse2`` (LSE * log2 e, ``+inf`` on empty rows) and ``delta``.  ``q``,
     ``k``, ``v``, ``dout`` are the TMA-ready tensors (their last dim may be padded past the true
     ``headdim``); dK and dV come back shaped like ``k`` and ``v`` (columns past ``headdim``
-    unwritten).  dQ comes as the kernel's fp32 workspace, which :func:`dq_from_workspace` turns
+    unwritten).  dQ comes as the kernel's fp32 workspace, which ``backward.dq_from_workspace`` turns
     into dQ once the caller has dropped ``lse2`` and ``delta`` (the conversion is the backward's
     peak of memory) -- or None with ``deterministic`` (dK and dV alone: ``deterministic_config``;
     the caller computes dQ)."""
@@ -512,15 +514,6 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
         launch(attention_bwd_kernel, *_launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, d,
                                                    softmax_scale, window_left, window_right, cfg))
     return (dq_acc if cfg.with_dq else None), dk, dv
-
-
-def dq_from_workspace(dq_acc, headdim, softmax_scale, dtype):
-    """dQ from the backward kernel's fp32 workspace: scaled and rounded to ``dtype`` in one
-    pass, with no fp32 temporary beside the workspace.  The workspace, dQ, dK and dV are all
-    alive here, so the caller lets go of everything else first."""
-    dq = torch.empty((*dq_acc.shape[:-1], headdim), dtype=dtype, device=dq_acc.device)
-    torch.mul(dq_acc[..., :headdim], softmax_scale, out=dq)
-    return dq
 
 
 def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, window_right, deterministic=False):

@@ -1,8 +1,9 @@
 """FP8 (e4m3) attention forward for Hopper: the Gluon forward kernel in its FP8 form.
 
 ``attention_fwd.attention_fwd_kernel`` with ``FP8=True`` keeps the bf16 forward's work items,
-producer warp, ping-ponging consumers and online softmax; what FP8 changes there (the reasons
-are in ``flashtile/kernels/attention_fp8.py``, the portable FP8 kernel, and docs/fp8.md):
+producer warp, two consumers and online softmax (the consumers take turns at the tensor cores
+for causal d = 128 only, ``config_for``); what FP8 changes there (the reasons are in
+``flashtile/kernels/attention_fp8.py``, the portable FP8 kernel, and docs/fp8.md):
 
 * Q and K are e4m3 and their wgmma contracts 32 elements an instruction; the descales
   ``q_descale * k_descale`` join the softmax scale in the one exp2 argument.
@@ -56,6 +57,8 @@ class HopperFp8Config(RegisterBudget):
     # V's keys stored in the P operand's order (fp8_key_order), so that P needs no shuffle
     # between threads on its way to the P V wgmma.
     key_order: bool = True
+    # The consumers take turns issuing their GEMMs (else each issues when it is ready).
+    pingpong: bool = True
 
     @property
     def block_m(self) -> int:
@@ -70,13 +73,16 @@ class HopperFp8Config(RegisterBudget):
 def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
     """128-key tiles, but 64 for causal d = 128: its masked tiles' extra registers beside the
     output, the tile's P V accumulator and the scores spilled 528 bytes at 128 (offline ptxas),
-    none at 64."""
-    return HopperFp8Config(block_n=64 if causal and head_dim_pad > 64 else 128)
+    none at 64.  Causal d = 128 is also the one case where the consumers take turns at the
+    tensor cores (N = 4k: 567 TFLOP/s against 548 without); elsewhere each issues its GEMMs
+    when ready (non-causal d = 128, N = 16k: 722 against 689 in turns; docs/tuning.md)."""
+    wide_causal = causal and head_dim_pad > 64
+    return HopperFp8Config(block_n=64 if wide_causal else 128, pingpong=wide_causal)
 
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
 # in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
-ALTERNATIVES = ("key_order=0", "block_n=64")
+ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=1")
 
 
 def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
@@ -131,7 +137,7 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
         work_schedule(batch * nheads, nheads // nheads_k, seqlen_q, seqlen_k, 2 * d, cfg.block_m, cfg.block_n, -1,
                       0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
-        MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=True, CONSUMER_REGS=cfg.consumer_regs,
+        MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
         KEY_ORDER=cfg.key_order,
         num_warps=4, maxnreg=cfg.maxnreg,

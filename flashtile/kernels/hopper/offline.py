@@ -124,8 +124,9 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
            "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "qk_scale": "fp32",
            **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
-              "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False, "PINGPONG": True,
-              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": True,
+              "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False,
+              "PINGPONG": cfg.pingpong, "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
+              "FP8": True,
               "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
