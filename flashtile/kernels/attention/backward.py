@@ -300,7 +300,7 @@ def dq_from_workspace(dq_acc, headdim, softmax_scale, dtype):
     caller lets go of everything else first."""
     dq = torch.empty((*dq_acc.shape[:-1], headdim), dtype=dtype, device=dq_acc.device)
     hd = dq_acc.shape[-1]
-    rows = dq_acc.numel() // hd if hd else 0
+    rows = dq_acc.numel() // hd
     if rows:
         block_rows = 32 if not INTERPRET else 16
         launch(_dq_from_workspace, (cdiv(rows, block_rows),), (dq_acc, dq, rows, headdim, softmax_scale),
