@@ -9,8 +9,11 @@ instructions is caught here -- in CI, which has no GPU -- before any device time
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
+import multiprocessing
+import os
 import sys
 
 import triton
@@ -188,20 +191,32 @@ def compile_variant(kernel: str, **shape):
     return {"forward": compile_forward, "backward": compile_backward, "fp8": compile_fp8}[kernel](**shape)
 
 
+def _reported(variant: dict) -> tuple[dict, dict]:
+    return variant, report(compile_variant(**variant))
+
+
+# Compiles run in this many processes at most (each ptxas run takes one core and well under
+# a GiB): the check's wall time divides by the cores a machine has.
+MAX_WORKERS = 8
+
+
 def main(argv=None) -> int:
-    """Compile every variant; one line each (``--json``: one JSON object each). Exit 1 when one is over budget."""
+    """Compile every variant; one line each (``--json``: one JSON object each), in the order of
+    ``variants()``. Exit 1 when one is over budget."""
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     bad = 0
-    for v in variants():
-        rep = report(compile_variant(**v))
-        ok = within_budget(rep, v["kernel"], v["hd"])
-        bad += not ok
-        if as_json:
-            print(json.dumps({**v, **rep}), flush=True)
-        else:
-            print(("ok  " if ok else "BAD ") + " ".join(f"{k}={x}" for k, x in v.items()), {
-                k: rep[k] for k in ("registers", "spill_stores", "spill_loads", "shared", "HGMMA", "QGMMA", "LDL",
-                                    "wgmma_serialized")}, flush=True)
+    workers = min(os.cpu_count() or 1, MAX_WORKERS)
+    # Fresh interpreters for the workers (spawn): nothing of this process's state is forked.
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for v, rep in pool.map(_reported, variants()):
+            ok = within_budget(rep, v["kernel"], v["hd"])
+            bad += not ok
+            if as_json:
+                print(json.dumps({**v, **rep}), flush=True)
+            else:
+                print(("ok  " if ok else "BAD ") + " ".join(f"{k}={x}" for k, x in v.items()), {
+                    k: rep[k] for k in ("registers", "spill_stores", "spill_loads", "shared", "HGMMA", "QGMMA", "LDL",
+                                        "wgmma_serialized")}, flush=True)
     return 1 if bad else 0
 
 
