@@ -4,8 +4,9 @@ ConSan instruments every shared-memory access, mbarrier and async copy of the Gl
 and traps on a read of a buffer that an in-flight TMA or wgmma may still touch, or on a
 missing wait.  Small shapes, but more work items than programs, so the persistent loop's
 hand-over between items (query buffer, K/V ring across items, ping-pong phases) is covered;
-the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared dS tile), in its
-default configuration and in each of ``attention_bwd.ALTERNATIVES``::
+the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared dS tile, the dQ
+writer's staging tiles at d = 128), in its default configuration and in each of
+``attention_bwd.ALTERNATIVES``::
 
     TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
 

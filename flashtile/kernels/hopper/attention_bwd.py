@@ -1,8 +1,13 @@
-"""FlashAttention backward for Hopper in Gluon: a TMA producer warp and two consumer warpgroups.
+"""FlashAttention backward for Hopper in Gluon: a TMA producer warp, two consumer warpgroups, a dQ writer warp.
+
+(One module over 600 lines on purpose: as in the forward, the partitions read their tile sizes
+back from the buffers the kernel allocates from the configuration's constexprs and the
+launcher's descriptor boxes, so kernel, configuration and launcher are one argument, read top
+to bottom and changed together.)
 
 A program owns one ``BLOCK_N = 128``-key tile of one (batch, kv head) and walks the query
 tiles that see it (``query_tiles``), for every query head of its GQA group, recomputing the
-probabilities from the saved LSE.  Three partitions share shared memory:
+probabilities from the saved LSE.  Four partitions share shared memory:
 
 * **producer** (1 warp): TMA-loads the key and value tile once, then streams the query and
   output-gradient tiles (``Q_i``, ``dO_i``, ``BLOCK_M`` rows: 128 up to d = 64, else 64) through a
@@ -16,15 +21,20 @@ probabilities from the saved LSE.  Three partitions share shared memory:
   ``dV += P^T dO`` and ``dK += dS^T Q``.  Both write their rows of ``dS^T`` into one shared
   tile, and each computes half of dQ's columns, ``dS K[:, half]`` over all 128 keys, which it
   adds into an fp32 workspace.
+* **dQ writer** (1 warp; with ``dq_writer``, else it returns at once): per step, has the TMA
+  engine add both consumers' staged dQ shares into the workspace and hands each staging tile
+  back once the engine has read it (a *full* and an *empty* barrier per consumer).
 
 How a step's dQ share is made is ``HopperBwdConfig``'s choice (``config_for`` per head dim;
 the other combinations are ``ALTERNATIVES``): ``dq_tma`` stages each consumer's share in
 shared memory and has the TMA engine add it into the workspace
 (``tma_reduce.async_reduce_add``, one instruction instead of 16-byte vector atomics and their
-addresses); ``dq_lag`` double-buffers the dS tile and issues a step's dQ GEMM one step later,
-so a consumer waits for the other one's dS of the step before (already written, unless it
-is a whole step behind) instead of meeting it at every step; ``dk_smem`` reads dK's dS
-operand from the shared tile instead of registers.
+addresses); ``dq_writer`` leaves issuing that add, and waiting for the engine to have read
+the tile, to the writer warp (else each consumer does both, behind a barrier of its four
+warps, on its own path through the step); ``dq_lag`` double-buffers the dS tile and issues a
+step's dQ GEMM one step later, so a consumer waits for the other one's dS of the step before
+(already written, unless it is a whole step behind) instead of meeting it at every step;
+``dk_smem`` reads dK's dS operand from the shared tile instead of registers.
 
 A ``deterministic=True`` call runs the kernel without dQ (``with_dq=False``,
 ``deterministic_config``): the consumers compute dK and dV alone, never waiting for each
@@ -152,17 +162,25 @@ def _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, d
 
 
 @gluon.jit
-def _dq_out(DQ, DQ_desc, dq_smem, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
-            dq_rows, dq_cols, add_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-            VARLEN: gl.constexpr, DQ_TMA: gl.constexpr):
-    """Add one step's dQ share into the fp32 workspace: staged in shared memory and added by
-    the TMA engine (``DQ_TMA``), or with vector atomics from registers."""
+def _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, step, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm,
+            stride_dqh, dq_rows, dq_cols, add_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+            VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, DQ_WRITER: gl.constexpr):
+    """Add step ``step``'s dQ share into the fp32 workspace: staged in shared memory and added by
+    the TMA engine (``DQ_TMA``; issued by the dQ writer warp with ``DQ_WRITER``), or with
+    vector atomics from registers."""
     if DQ_TMA:
         if VARLEN:
             # The box's rows past the sequence are the next packed sequence's: add exact zeros.
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
             dq = gl.where(gl.expand_dims(rows < sq, 1), dq, 0.0)
             b = 0  # packed tensors are one batch entry of the descriptor
+        if DQ_WRITER:
+            # Once the engine has read this consumer's tile of the step before, stage this one.
+            mbarrier.wait(dq_empty, (step & 1) ^ 1)
+            dq_smem.reshape(dq.shape).store(dq)
+            fence_async_shared()
+            mbarrier.arrive(dq_full, count=1)
+            return
         tma.store_wait(0)  # the previous step's add has read the staging tile
         dq_smem.reshape(dq.shape).store(dq)
         fence_async_shared()
@@ -173,14 +191,42 @@ def _dq_out(DQ, DQ_desc, dq_smem, dq, b, h, m0, q_start, sq, col_off, stride_dqb
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready, empty,
+def _dq_writer(DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group,
+               window_left, window_right, num_items, section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+               DQ_WRITER: gl.constexpr):
+    """Per step, both consumers' staged dQ shares added into the workspace by the TMA engine, in
+    step order; each staging tile handed back once the engine has read it (so a consumer's
+    part of the dQ add is a shared-memory store and two barrier operations)."""
+    b, hk, n0, q_start, _k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
+        gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
+        window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+    if DQ_WRITER and (n_steps >= 0):
+        if VARLEN:
+            b = 0  # packed tensors are one batch entry of the descriptor
+        for step in range(n_steps * group):
+            h = hk * group + step // n_steps
+            row = q_start + lo + (step % n_steps) * BLOCK_M
+            for i in gl.static_range(2):
+                mbarrier.wait(dq_full.index(i), step & 1)
+                # Rows past a dense tensor's end fall outside the descriptor and are dropped.
+                async_reduce_add(DQ_desc, [b, row, h, i * (HEAD_DIM // 2)], dq_smem.index(i))
+            tma.store_wait(1)
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_empty, kv_ready, ready, empty,
               ds_ready, ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
               stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
               seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
               window_left, window_right, num_items, section_heads, key_off, col_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr):
+              WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
+              DQ_WRITER: gl.constexpr):
     """Keys ``[key_off, key_off + 64)`` of the program's key tile (their dK, dV and dS rows),
     and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ (without ``WITH_DQ``:
     no dQ, and the consumers never wait for each other; the dS tile stays in registers).
@@ -291,9 +337,10 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready
                     mbarrier.arrive(empty.index(slot), count=1)
                     if c > 0:
                         mbarrier.arrive(ds_free.index(prev % 2), count=1)
-                        _dq_out(DQ, DQ_desc, dq_smem, dq, b, hk * group + prev // n_steps, lo + (prev % n_steps) * BLOCK_M,
-                                q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
-                                dq_layout, BLOCK_M, VARLEN, DQ_TMA)
+                        _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, hk * group + prev // n_steps,
+                                lo + (prev % n_steps) * BLOCK_M, q_start, sq, col_off, stride_dqb, stride_dqm,
+                                stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA,
+                                DQ_WRITER)
                 else:
                     mbarrier.wait(ds_ready.index(0), c & 1)
                     dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
@@ -302,8 +349,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready
                     dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
                     mbarrier.arrive(empty.index(slot), count=1)
                     mbarrier.arrive(ds_free.index(0), count=1)
-                    _dq_out(DQ, DQ_desc, dq_smem, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
-                            dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA)
+                    _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, c, dq, b, h, m0, q_start, sq, col_off, stride_dqb,
+                            stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA,
+                            DQ_WRITER)
         if DQ_LAG and WITH_DQ:
             if total > 0:
                 last = total - 1
@@ -312,14 +360,14 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_ready, ready
                                    gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
                                    use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=[dq])
-                _dq_out(DQ, DQ_desc, dq_smem, dq, b, hk * group + last // n_steps, lo + (last % n_steps) * BLOCK_M,
-                        q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
-                        dq_layout, BLOCK_M, VARLEN, DQ_TMA)
+                _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, hk * group + last // n_steps,
+                        lo + (last % n_steps) * BLOCK_M, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
+                        dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
 
         kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
         _store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
         _store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
-        if DQ_TMA:
+        if DQ_TMA and not DQ_WRITER:
             tma.store_wait(0)  # the staging tile stays until the engine has read it
 
 
@@ -337,6 +385,7 @@ def attention_bwd_kernel(
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
+    DQ_WRITER: gl.constexpr,
 ):
     dtype: gl.constexpr = Q_desc.dtype
     KEYS: gl.constexpr = CONSUMER_KEYS
@@ -356,7 +405,12 @@ def attention_bwd_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(dq_full.index(i), count=1)  # consumer i has staged its dQ share
+        mbarrier.init(dq_empty.index(i), count=1)  # the TMA engine has read it
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers have written their rows of dS
         mbarrier.init(ds_free.index(i), count=2)  # both consumers' dQ GEMMs have read it
@@ -365,25 +419,30 @@ def attention_bwd_kernel(
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(0), kv_ready, ready, empty, ds_ready,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(0), dq_full.index(0),
+                     dq_empty.index(0), kv_ready, ready, empty, ds_ready,
                      ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, 0, 0,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
-                     DK_SMEM)),
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(1), kv_ready, ready, empty, ds_ready,
+                     DK_SMEM, DQ_WRITER)),
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(1), dq_full.index(1),
+                     dq_empty.index(1), kv_ready, ready, empty, ds_ready,
                      ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
-                     DK_SMEM)),
+                     DK_SMEM, DQ_WRITER)),
         (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
                      ready, empty,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
                      num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        (_dq_writer, (DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group,
+                      window_left, window_right, num_items, section_heads, BLOCK_M, BLOCK_N, HEAD_DIM, MASK_LEFT,
+                      MASK_RIGHT, VARLEN, DQ_WRITER)),
+    ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------------------
@@ -399,10 +458,12 @@ class HopperBwdConfig(RegisterBudget):
     num_stages: int = 2
     consumer_regs: int = 240
     producer_regs: int = 24
-    # dQ added by the TMA engine from a staged tile (else: vector atomics); a step's dQ GEMM
-    # issued one step late (the dS tile double-buffered); dK's dS operand read from shared
-    # memory (else: registers).  ``config_for`` picks them per head dim.
+    # dQ added by the TMA engine from a staged tile (else: vector atomics); that add issued by
+    # the writer warp (else: by each consumer); a step's dQ GEMM issued one step late (the dS
+    # tile double-buffered); dK's dS operand read from shared memory (else: registers).
+    # ``config_for`` picks them per head dim.
     dq_tma: bool = False
+    dq_writer: bool = False
     dq_lag: bool = False
     dk_smem: bool = False
     # dQ at all: without it the kernel computes dK and dV alone (``deterministic_config``).
@@ -412,11 +473,17 @@ class HopperBwdConfig(RegisterBudget):
     def block_n(self) -> int:
         return 2 * CONSUMER_KEYS.value
 
+    @property
+    def writer_adds_dq(self) -> bool:
+        """Whether the writer warp has work: the TMA's dQ add, left to it, in a kernel with dQ."""
+        return bool(self.dq_writer and self.dq_tma and self.with_dq)
+
 
 # The alternatives to the default configuration (``config_from_spec`` specs) that the
 # offline compile check covers, the GPU tests check and ``benchmarks/bench_hopper_bwd.py
-# --variants`` times against the default (docs/tuning.md).
-ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=64+dq_lag=0")
+# --variants`` times against the default (docs/tuning.md); ``dq_writer=0`` changes only the
+# head dims whose default has the writer.
+ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=64+dq_lag=0", "dq_writer=0")
 
 # dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
 # consumers' budget up to d = 128.
@@ -428,8 +495,11 @@ def config_for(head_dim_pad: int) -> HopperBwdConfig:
     """The tile configuration per padded head dim, the fastest measured on an H200 (forward +
     backward, bf16, N = 1k-16k; docs/tuning.md): the TMA's dQ add and the late dQ GEMM, with
     128-row query tiles up to d = 64 (each consumer's score tiles 64 keys x 128 queries: half
-    the steps, each with twice the GEMM work per barrier and exchange)."""
-    return HopperBwdConfig(dq_tma=True, dq_lag=True, block_m=128 if head_dim_pad <= 64 else 64)
+    the steps, each with twice the GEMM work per barrier and exchange) and the writer warp
+    issuing the add above d = 64 (with it against without: 0.99-1.05x at d = 128, 0.92-0.95x
+    at d = 64 causal)."""
+    small = head_dim_pad <= 64
+    return HopperBwdConfig(dq_tma=True, dq_lag=True, dq_writer=not small, block_m=128 if small else 64)
 
 
 def deterministic_config(head_dim_pad: int) -> HopperBwdConfig:
@@ -475,6 +545,7 @@ def _launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, headdim, so
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         WITH_DQ=cfg.with_dq, DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
+        DQ_WRITER=cfg.writer_adds_dq,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     return (num_items,), args, options

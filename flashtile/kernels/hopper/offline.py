@@ -34,7 +34,7 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 #   mask, 304 causal (a few words stored per key tile, read back outside the key loop;
 #   windowed and packed-batch variants spill nothing);
 # * backward, d = 128: dK and dV of 64 keys (128 fp32 registers a thread) beside the score,
-#   dP and dQ tiles leave the loop's scalars and addresses in local memory (136-228 bytes in
+#   dP and dQ tiles leave the loop's scalars and addresses in local memory (84-292 bytes in
 #   the default configuration, 432-648 with the atomics of the ``dq_tma=0+dq_lag=0``
 #   alternative; loaded from L1 once a step); d = 64, 128-row query tiles: each consumer's
 #   score and dP tiles (64 keys x 128 queries, 128 fp32 registers a thread) beside dK, dV and
@@ -107,6 +107,7 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
               "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen,
               "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
               "WITH_DQ": cfg.with_dq, "DQ_TMA": cfg.dq_tma, "DQ_LAG": cfg.dq_lag, "DK_SMEM": cfg.dk_smem,
+              "DQ_WRITER": cfg.writer_adds_dq,
               **constexprs}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb",
@@ -168,6 +169,8 @@ def variants():
         yield dict(kernel="fp8", hd=hd, causal=causal, alternative=alternative)
     for alternative, (causal, window), varlen, hd in itertools.product(
             bwd.ALTERNATIVES, ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
+        if bwd.config_from_spec(hd, alternative) == bwd.config_for(hd):
+            continue  # the default itself at this head dim
         yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    alternative=alternative)
     # The dK / dV kernel of deterministic calls, wherever the backward runs.

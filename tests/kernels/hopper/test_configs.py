@@ -58,10 +58,17 @@ def test_fp8_alternatives_apply_their_changes(spec, causal):
 
 
 @pytest.mark.parametrize("spec", attention_bwd.ALTERNATIVES)
-@pytest.mark.parametrize("head_dim_pad", [64, 128])
-def test_backward_alternatives_differ_from_the_default(spec, head_dim_pad):
-    assert attention_bwd.config_from_spec(head_dim_pad, spec) != attention_bwd.config_for(head_dim_pad)
-    assert attention_bwd.config_from_spec(head_dim_pad, "") == attention_bwd.config_for(head_dim_pad)
+def test_backward_alternatives_differ_from_the_default(spec):
+    # Some knobs differ by head dim (the dQ writer runs at d = 128 only): an alternative must
+    # change the default of at least one head dim the backward runs.
+    assert any(attention_bwd.config_from_spec(hd, spec) != attention_bwd.config_for(hd) for hd in (64, 128))
+    for hd in (64, 128):
+        assert attention_bwd.config_from_spec(hd, "") == attention_bwd.config_for(hd)
+
+
+def test_backward_writer_warp_issues_the_dq_add_at_head_dim_128_only():
+    assert attention_bwd.config_for(128).dq_writer and not attention_bwd.config_for(64).dq_writer
+    assert not attention_bwd.config_from_spec(128, "dq_writer=0").dq_writer
 
 
 def test_a_spec_naming_no_field_is_rejected():
