@@ -10,7 +10,8 @@ flashtile row):
 * ``triton`` -- the ``tl.*`` dK/dV and dQ kernels;
 * ``sdpa_cudnn`` -- PyTorch SDPA pinned to cuDNN.
 
-Prints one line a shape and writes one JSON object a line (``--out``)::
+Prints one line a shape and writes one JSON object a line (``--out``) and a plot beside it
+(the ``.png`` of the same name)::
 
     python benchmarks/bench_hopper_bwd.py --variants num_stages=3 --out hopper_bwd.jsonl
 """
@@ -18,12 +19,11 @@ Prints one line a shape and writes one JSON object a line (``--out``)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 
-from flashtile.bench.common import environment, shape_sweep
+from flashtile.bench.common import environment, save_figure, save_records, shape_sweep, subplots
 from flashtile.bench.gpu import attention_flops, impl_fn, time_attention
 from flashtile.kernels.engine import ENGINE_ENV
 from flashtile.kernels.hopper import attention_bwd, configured
@@ -57,6 +57,30 @@ def _timed(impl, variant, causal, q, k, v):
             os.environ[ENGINE_ENV] = saved_env
 
 
+def plot(records, path) -> None:
+    """Forward + backward TFLOP/s per shape, one bar per implementation (and Gluon variant) measured there."""
+    rows = [r for r in records if r["bench"] == "hopper_bwd"]
+    shapes = sorted({(r["headdim"], r["causal"], r["seqlen_q"]) for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    by = {(r["headdim"], r["causal"], r["seqlen_q"], r["impl"]): r["tflops"] for r in rows}
+    colors = {impl: f"C{i}" for i, impl in enumerate(impls)}
+    fig, ax = subplots(figsize=(max(6.0, 0.9 * len(shapes) + 2), 3.8))
+    labelled = set()
+    for x, shape in enumerate(shapes):
+        here = [impl for impl in impls if (*shape, impl) in by]
+        width = 0.8 / len(here)
+        for i, impl in enumerate(here):
+            ax.bar(x + (i - (len(here) - 1) / 2) * width, by[(*shape, impl)], width=width, color=colors[impl],
+                   label=None if impl in labelled else impl)
+            labelled.add(impl)
+    ax.set_xticks(range(len(shapes)), [f"d={d}\n{'causal' if c else 'full'}\nN={n}" for d, c, n in shapes], fontsize=7)
+    ax.set_ylabel("fwd+bwd TFLOP/s")
+    ax.set_title(f"Hopper backward: the default Gluon configuration (gluon), its variants and peers, bf16, "
+                 f"{rows[0]['device']}\nbatch x N = 16k, heads x d = 2048", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
@@ -84,9 +108,7 @@ def main():
                                 tflops=flops / ms / 1e9, **env))
         print(d, int(causal), n, " ".join(line), flush=True)
     if args.out:
-        with open(args.out, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        save_records(records, args.out, plot)
 
 
 if __name__ == "__main__":
