@@ -1,0 +1,35 @@
+"""benchmarks/bench_hopper_bwd.py's plot on hand-made records: no GPU needed."""
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_hopper_bwd",
+                                                  os.path.join(ROOT, "benchmarks", "bench_hopper_bwd.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plot_draws_each_shapes_own_variants(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("triton.experimental.gluon")  # the script reads attention_bwd.ALTERNATIVES
+    # A variant measured at one head dim only (as a head-dim-dependent knob's alternative is).
+    records = [dict(bench="hopper_bwd", impl=impl, headdim=d, causal=causal, seqlen_q=n, tflops=100.0 + n / 64,
+                    device="test")
+               for d, variant in ((64, "gluon:dq_writer=1"), (128, "gluon:dq_writer=0"))
+               for impl in ("gluon", variant, "sdpa_cudnn") for causal in (False, True) for n in (1024, 4096)]
+    bench = _bench()
+    drawn = []
+    save = bench.save_figure
+    bench.save_figure = lambda fig, path: (drawn.append(fig), save(fig, path))
+    path = tmp_path / "hopper_bwd.png"
+    bench.plot(records, path)
+    assert path.stat().st_size > 1000
+    # One bar per record: no empty slot for a variant that a shape did not measure.
+    assert len(drawn[0].axes[0].patches) == len(records)
