@@ -106,6 +106,13 @@ def _work(pid, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seq
 
 
 @gluon.jit
+def _step_rows(step, hk, group, n_steps, lo, BLOCK_M: gl.constexpr):
+    """Step ``step`` of a program -> (its query head, its first query row in the sequence): the
+    steps go query tile by query tile for each query head of the GQA group in turn."""
+    return hk * group + step // n_steps, lo + (step % n_steps) * BLOCK_M
+
+
+@gluon.jit
 def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
               ready, empty,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right, num_items,
@@ -205,8 +212,8 @@ def _dq_writer(DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen
         if VARLEN:
             b = 0  # packed tensors are one batch entry of the descriptor
         for step in range(n_steps * group):
-            h = hk * group + step // n_steps
-            row = q_start + lo + (step % n_steps) * BLOCK_M
+            h, m0 = _step_rows(step, hk, group, n_steps, lo, BLOCK_M)
+            row = q_start + m0
             for i in gl.static_range(2):
                 mbarrier.wait(dq_full.index(i), step & 1)
                 # Rows past a dense tensor's end fall outside the descriptor and are dropped.
@@ -274,8 +281,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
         total = n_steps * group
         mbarrier.wait(kv_ready, 0)
         for c in range(total):
-            h = hk * group + c // n_steps
-            m0 = lo + (c % n_steps) * BLOCK_M
+            h, m0 = _step_rows(c, hk, group, n_steps, lo, BLOCK_M)
             slot = c % NUM_STAGES
             phase = (c // NUM_STAGES) & 1
             row_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / delta rows
@@ -337,10 +343,10 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
                     mbarrier.arrive(empty.index(slot), count=1)
                     if c > 0:
                         mbarrier.arrive(ds_free.index(prev % 2), count=1)
-                        _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, hk * group + prev // n_steps,
-                                lo + (prev % n_steps) * BLOCK_M, q_start, sq, col_off, stride_dqb, stride_dqm,
-                                stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA,
-                                DQ_WRITER)
+                        prev_h, prev_m0 = _step_rows(prev, hk, group, n_steps, lo, BLOCK_M)
+                        _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start, sq,
+                                col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout,
+                                BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
                 else:
                     mbarrier.wait(ds_ready.index(0), c & 1)
                     dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
@@ -360,9 +366,10 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
                                    gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
                                    use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=[dq])
-                _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, hk * group + last // n_steps,
-                        lo + (last % n_steps) * BLOCK_M, q_start, sq, col_off, stride_dqb, stride_dqm, stride_dqh,
-                        dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
+                last_h, last_m0 = _step_rows(last, hk, group, n_steps, lo, BLOCK_M)
+                _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, last_h, last_m0, q_start, sq, col_off,
+                        stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN,
+                        DQ_TMA, DQ_WRITER)
 
         kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
         _store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
