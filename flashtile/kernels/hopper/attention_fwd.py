@@ -59,6 +59,7 @@ from flashtile.kernels import engine
 from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
+from flashtile.kernels.hopper.turns import hand_turn, issue_turn
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.plans import stand_ins
@@ -170,19 +171,6 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def issue_turn(turn_bar, count, PINGPONG: gl.constexpr):
-    # Ping-pong: wait until the consumer before this one in the ring has issued its GEMMs.
-    if PINGPONG:
-        mbarrier.wait(turn_bar, count & 1)
-
-
-@gluon.jit
-def hand_turn(turn_bar, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn_bar, count=1)
 
 
 @gluon.jit
