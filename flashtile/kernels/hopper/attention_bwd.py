@@ -11,8 +11,10 @@ probabilities from the saved LSE.  Four partitions share shared memory:
 
 * **producer** (1 warp): TMA-loads the key and value tile once, then streams the query and
   output-gradient tiles (``Q_i``, ``dO_i``, ``BLOCK_M`` rows: 128 up to d = 64, else 64) through a
-  ``NUM_STAGES``-deep ring; each slot has a *ready* barrier (TMA completion of both tiles) and
-  an *empty* one (both consumers are done with it).
+  ``NUM_STAGES``-deep ring, with the tiles' rows of the log2 LSE and of delta (``cp.async``);
+  each slot has a *ready* barrier (both tiles and both rows have landed) and an *empty* one
+  (both consumers are done with it).  The empty barrier also frees the shared dS tile: its
+  last reader is the step before's dQ GEMM, retired before that step's slot is released.
 * **two consumers** (one warpgroup each): each owns 64 of the 128 keys and keeps their dK and
   dV rows in fp32 registers for the whole walk.  Per query tile it computes, on asynchronous
   wgmma, the transposed tiles ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys x queries, so the
@@ -46,8 +48,9 @@ their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and
 workspace is scaled and cast by the caller.  Masks and tile ranges are flashtile's
 (``flashtile/kernels/masking.py``, ``tile_info.py``), as in the forward.
 
-Query rows past a sequence's end read LSE ``+inf`` and ``delta = 0``: their probabilities and
-``dS`` are 0, and their dQ rows are not written.  Keys past a sequence's end (TMA zeros, or the
+Query rows past a sequence's end add nothing: in a packed batch they read LSE ``+inf`` (their
+probabilities and ``dS`` are 0); in a dense one their Q and dO tiles are TMA zeros, so
+``P^T dO`` and ``dS^T Q`` add exact zeros.  Their dQ rows are not written.  Keys past a sequence's end (TMA zeros, or the
 next packed sequence's keys) are masked on every step of the sequence's last key tile, and
 their dK / dV rows are not stored.
 """
@@ -60,6 +63,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
@@ -113,18 +117,21 @@ def _step_rows(step, hk, group, n_steps, lo, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
-              ready, empty,
+def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready,
+              ready, empty, LSE2, Delta, stride_lb, stride_lh,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right, num_items,
               section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     """K and V once; then per step ``c`` (query head ``c // n_steps``, query tile ``c % n_steps``)
-    Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it (one
-    barrier pair a slot for both tiles: fewer barrier operations in the consumers' loop)."""
-    b, hk, n0, q_start, k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
+    Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it, with the
+    step's rows of the log2 LSE and of delta (zeros past the sequence).  One barrier pair a
+    slot for all four: fewer barrier operations in the consumers' loop."""
+    b, hk, n0, q_start, k_start, sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
         gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
         window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
     if n_steps >= 0:
+        vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        lse_base = b.to(gl.int64) * stride_lb + q_start
         if VARLEN:
             b = 0  # packed tensors are one batch entry of the descriptors
         mbarrier.expect(kv_ready, K_desc.block_type.nbytes + V_desc.block_type.nbytes)
@@ -140,6 +147,15 @@ def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, 
             mbarrier.expect(ready.index(slot), Q_desc.block_type.nbytes + DO_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(Q_desc, [b, row, h, 0], ready.index(slot), q_bufs.index(slot))
             tma.async_copy_global_to_shared(DO_desc, [b, row, h, 0], ready.index(slot), do_bufs.index(slot))
+            # The rows are too few for a TMA box; ``cp.async`` copies them while the tiles
+            # stream, and the producer's own arrival (the barrier's second) follows their landing.
+            offs_q = row - q_start + gl.arange(0, BLOCK_M, layout=vec_layout)
+            rows = lse_base + h * stride_lh + offs_q
+            async_copy.async_copy_global_to_shared(lse_bufs.index(slot), LSE2 + rows, mask=offs_q < sq)
+            async_copy.async_copy_global_to_shared(delta_bufs.index(slot), Delta + rows, mask=offs_q < sq)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            mbarrier.arrive(ready.index(slot), count=1)
 
 
 @gluon.jit
@@ -225,9 +241,9 @@ def _dq_writer(DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_empty, kv_ready, ready, empty,
-              ds_ready, ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
-              stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem, dq_full, dq_empty, kv_ready,
+              ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
+              stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh,
               seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
               window_left, window_right, num_items, section_heads, key_off, col_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -259,7 +275,6 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
                                                         instr_shape=[16, DQ_COLS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
-    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     # dQ's adds: 4 consecutive fp32 a thread (one 16-byte vector add), a warp on whole rows,
     # so a thread needs few addresses (the wgmma layout holds pairs and would need 4x more).
     ADD_TPR: gl.constexpr = DQ_COLS // 4 if DQ_COLS // 4 < 32 else 32
@@ -284,13 +299,6 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
             h, m0 = _step_rows(c, hk, group, n_steps, lo, BLOCK_M)
             slot = c % NUM_STAGES
             phase = (c // NUM_STAGES) & 1
-            row_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / delta rows
-            # Loaded compactly (one value a thread) and spread over the score layout only
-            # where used, so neither vector holds registers while the GEMMs run.
-            offs_q = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
-            lse2 = gl.load(LSE2 + row_base + offs_q, mask=offs_q < sq, other=float("inf"))
-            delta = gl.load(Delta + row_base + offs_q, mask=offs_q < sq, other=0.0)
-
             mbarrier.wait(ready.index(slot), phase)
             q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
             s_t = warpgroup_mma(k_h, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
@@ -299,7 +307,15 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
             dp_t = warpgroup_mma(v_h, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
                                  use_acc=False, is_async=True)
             s_t = warpgroup_mma_wait(1, deps=[s_t])
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(gl.convert_layout(lse2, q_vec), 0))
+            # Read in the score layout straight from the slot, only where used, so the rows
+            # hold no registers while the GEMMs run.  Rows past the sequence read 0: a dense
+            # tensor's are outside the descriptor, so their Q and dO are zeros and they add
+            # exact zeros; a packed batch's are the next sequence's and get LSE +inf, so their
+            # probabilities are 0.
+            lse_q = lse_bufs.index(slot).load(q_vec)
+            if VARLEN:
+                lse_q = gl.where(m0 + gl.arange(0, BLOCK_M, layout=q_vec) < sq, lse_q, float("inf"))
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse_q, 0))
             if (m0 < full_lo) | (m0 >= full_hi) | key_edge:
                 offs_q_s = m0 + gl.arange(0, BLOCK_M, layout=q_vec)
                 visible = band_mask(gl.expand_dims(offs_q_s, 0), gl.expand_dims(offs_k, 1), sq, sk,
@@ -308,7 +324,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
             # dV's GEMM runs while dS is computed.
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=[dp_t])
-            ds_t = (p_t * (dp_t - gl.expand_dims(gl.convert_layout(delta, q_vec), 0))).to(dtype)
+            ds_t = (p_t * (dp_t - gl.expand_dims(delta_bufs.index(slot).load(q_vec), 0))).to(dtype)
             if not WITH_DQ:
                 dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
@@ -319,10 +335,13 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
                 # read it transposed once both have written it.  dK's GEMM is queued in between,
                 # so the tensor cores have dV, dK and dQ back to back.
                 buf = c % DS_BUFS
-                use = c // DS_BUFS
                 ds_all = ds_smem.index(buf)
                 my_ds = ds_all.slice(key_off, KEYS, dim=0)
-                mbarrier.wait(ds_free.index(buf), (use & 1) ^ 1)
+                # The buffer's last reader is a dQ GEMM that both consumers retired in step
+                # c - 1 just before releasing that step's ring slot: the slot's release is the
+                # buffer's (no barrier of its own; step 0 waits on a fresh phase).
+                before = c + NUM_STAGES - 1
+                mbarrier.wait(empty.index(before % NUM_STAGES), (before // NUM_STAGES + 1) & 1)
                 my_ds.store(ds_t)
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(buf), count=1)
@@ -342,7 +361,6 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
                     dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
                     mbarrier.arrive(empty.index(slot), count=1)
                     if c > 0:
-                        mbarrier.arrive(ds_free.index(prev % 2), count=1)
                         prev_h, prev_m0 = _step_rows(prev, hk, group, n_steps, lo, BLOCK_M)
                         _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start, sq,
                                 col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout,
@@ -354,7 +372,6 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_full, dq_emp
                                        use_acc=False, is_async=True)
                     dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
                     mbarrier.arrive(empty.index(slot), count=1)
-                    mbarrier.arrive(ds_free.index(0), count=1)
                     _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, c, dq, b, h, m0, q_start, sq, col_off, stride_dqb,
                             stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA,
                             DQ_WRITER)
@@ -401,6 +418,9 @@ def attention_bwd_kernel(
     v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + Q_desc.block_type.shape, Q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + DO_desc.block_type.shape, DO_desc.layout)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a slot's rows (the ring index outside it)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     if DQ_TMA:  # each consumer's dQ share, staged for the TMA add
@@ -408,7 +428,6 @@ def attention_bwd_kernel(
     else:  # not read: a stand-in for the consumers' argument
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 8, 1, DQ_desc.block_type.shape[3]], DQ_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -420,30 +439,27 @@ def attention_bwd_kernel(
         mbarrier.init(dq_empty.index(i), count=1)  # the TMA engine has read it
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers have written their rows of dS
-        mbarrier.init(ds_free.index(i), count=2)  # both consumers' dQ GEMMs have read it
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2)  # the tiles' expect and the rows' landing
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(0), dq_full.index(0),
-                     dq_empty.index(0), kv_ready, ready, empty, ds_ready,
-                     ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
-                     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem.index(0), dq_full.index(0),
+                     dq_empty.index(0), kv_ready, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
+                     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, 0, 0,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
                      DK_SMEM, DQ_WRITER)),
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem.index(1), dq_full.index(1),
-                     dq_empty.index(1), kv_ready, ready, empty, ds_ready,
-                     ds_free, DQ, DQ_desc, DK, DV, LSE2, Delta, CU_Q, CU_K,
-                     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh, stride_lb, stride_lh,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem.index(1), dq_full.index(1),
+                     dq_empty.index(1), kv_ready, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
+                     stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
                      DK_SMEM, DQ_WRITER)),
-        (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready,
-                     ready, empty,
+        (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                     kv_ready, ready, empty, LSE2, Delta, stride_lb, stride_lh,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
                      num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
         (_dq_writer, (DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group,
@@ -547,15 +563,21 @@ def _launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, headdim, so
         section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * (layout.nheads // layout.nheads_k),
                       layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
     )
-    options = dict(
-        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen,
+    options = dict(kernel_constexprs(cfg, hd, window_left >= 0, window_right >= 0, layout.varlen),
+                   num_warps=4, maxnreg=cfg.maxnreg)
+    return (num_items,), args, options
+
+
+def kernel_constexprs(cfg, head_dim_pad, mask_left, mask_right, varlen) -> dict:
+    """The kernel's constexprs for configuration ``cfg``: what the launcher passes and the
+    offline compile check compiles."""
+    return dict(
+        HEAD_DIM=head_dim_pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        MASK_LEFT=mask_left, MASK_RIGHT=mask_right, VARLEN=varlen,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         WITH_DQ=cfg.with_dq, DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
         DQ_WRITER=cfg.writer_adds_dq,
-        num_warps=4, maxnreg=cfg.maxnreg,
     )
-    return (num_items,), args, options
 
 
 # The launch arguments a call passes (q, k, v, dO, the dQ workspace's descriptor and tensor,

@@ -103,12 +103,7 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
            "DQ_desc": _desc("fp32", cfg.block_m, hd // 2), "DQ": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32",
            "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "softmax_scale": "fp32",
            **{name: "i32" for name in ints}}
-    consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
-              "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen,
-              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
-              "WITH_DQ": cfg.with_dq, "DQ_TMA": cfg.dq_tma, "DQ_LAG": cfg.dq_lag, "DK_SMEM": cfg.dk_smem,
-              "DQ_WRITER": cfg.writer_adds_dq,
-              **constexprs}
+    consts = {**bwd.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb",
                           "stride_km", "stride_kh", "stride_lb", "stride_lh", "headdim"))
