@@ -34,9 +34,9 @@ triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=tor
 # consumers at d = 64: at n = 600 and 700 the last tile's later consumers pass every key tile,
 # and with a left window the earlier tiles of the later consumers).
 CASES = [(64, 600, 32, False, False), (64, 700, 24, True, False), (64, 700, 24, True, False, 100),
-         (128, 700, 24, True, False), (256, 300, 40, True, False), (128, 500, 24, False, True), ("bwd", 128, 300, 4, True, "", False), ("bwd", 64, 300, 4, False, "", False),
-         ("bwd", 64, 300, 4, True, "", False),
-         ("bwd", 128, 300, 4, True, "", True)]
+         (128, 700, 24, True, False), (256, 300, 40, True, False), (128, 500, 24, False, True),
+         ("bwd", 128, 300, 4, True, "", False), ("bwd", 64, 300, 4, False, "", False),
+         ("bwd", 64, 300, 4, True, "", False), ("bwd", 128, 300, 4, True, "", True)]
 CASES += [("bwd", 128, 300, 4, True, spec, False) for spec in attention_bwd.ALTERNATIVES]
 default_bwd_config = attention_bwd.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
