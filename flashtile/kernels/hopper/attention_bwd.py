@@ -48,11 +48,12 @@ their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and
 workspace is scaled and cast by the caller.  Masks and tile ranges are flashtile's
 (``flashtile/kernels/masking.py``, ``tile_info.py``), as in the forward.
 
-Query rows past a sequence's end add nothing: in a packed batch they read LSE ``+inf`` (their
-probabilities and ``dS`` are 0); in a dense one their Q and dO tiles are TMA zeros, so
-``P^T dO`` and ``dS^T Q`` add exact zeros.  Their dQ rows are not written.  Keys past a sequence's end (TMA zeros, or the
-next packed sequence's keys) are masked on every step of the sequence's last key tile, and
-their dK / dV rows are not stored.
+Query rows past a sequence's end add nothing: in a packed batch (the next sequence's rows)
+the consumers give them LSE ``+inf``, so their probabilities and ``dS`` are 0; in a dense one
+their Q and dO tiles are TMA zeros, so ``P^T dO`` and ``dS^T Q`` add exact zeros.  Their dQ
+rows are not written.  Keys past a sequence's end (TMA zeros, or the next packed sequence's
+keys) are masked on every step of the sequence's last key tile, and their dK / dV rows are
+not stored.
 """
 
 from __future__ import annotations
@@ -308,10 +309,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                                  use_acc=False, is_async=True)
             s_t = warpgroup_mma_wait(1, deps=[s_t])
             # Read in the score layout straight from the slot, only where used, so the rows
-            # hold no registers while the GEMMs run.  Rows past the sequence read 0: a dense
-            # tensor's are outside the descriptor, so their Q and dO are zeros and they add
-            # exact zeros; a packed batch's are the next sequence's and get LSE +inf, so their
-            # probabilities are 0.
+            # hold no registers while the GEMMs run.  Rows past the sequence read 0 (module
+            # docstring: a packed batch's get +inf here).
             lse_q = lse_bufs.index(slot).load(q_vec)
             if VARLEN:
                 lse_q = gl.where(m0 + gl.arange(0, BLOCK_M, layout=q_vec) < sq, lse_q, float("inf"))
