@@ -30,14 +30,16 @@ triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=tor
 
 # Backward cases: ("bwd", d, n, heads, causal, configuration spec: "" or one of attention_bwd.ALTERNATIVES,
 # deterministic: the Gluon kernel without dQ, ``attention_bwd.deterministic_config``).
-# Forward cases: (d, n, heads, causal, varlen[, window_left]), in ``config_for``'s default (three
-# consumers at d = 64: at n = 600 and 700 the last tile's later consumers pass every key tile,
-# and with a left window the earlier tiles of the later consumers).
+# Forward cases: (d, n, heads, causal, varlen[, window_left[, score mods]]), in ``config_for``'s
+# default (three consumers at d = 64: at n = 600 and 700 the last tile's later consumers pass
+# every key tile, and with a left window the earlier tiles of the later consumers); with score
+# mods a softcap and ALiBi slopes, in the configuration such calls take (``call_config``).
 CASES = [(64, 600, 32, False, False), (64, 700, 24, True, False), (64, 700, 24, True, False, 100),
          (128, 700, 24, True, False), (256, 300, 40, True, False), (128, 500, 24, False, True),
          ("bwd", 128, 300, 4, True, "", False), ("bwd", 64, 300, 4, False, "", False),
          ("bwd", 64, 300, 4, True, "", False), ("bwd", 128, 300, 4, True, "", True)]
 CASES += [("bwd", 128, 300, 4, True, spec, False) for spec in attention_bwd.ALTERNATIVES]
+CASES += [(64, 700, 24, True, False, -1, True), (128, 500, 24, False, False, -1, True)]
 default_bwd_config = attention_bwd.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     if CASES[case][0] == "bwd":
@@ -57,15 +59,20 @@ for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
               f"deterministic={deterministic}: ok, "
               f"finite={all(bool(g.isfinite().all()) for g in grads)}", flush=True)
         continue
-    d, n, heads, causal, varlen, left = (CASES[case] + (-1,))[:6]
+    d, n, heads, causal, varlen, left, mods = (CASES[case] + (-1, False))[:7]
     q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    cfg = hopper.config_for(padded_headdim(d))
-    if varlen:
+    cfg = hopper.call_config(padded_headdim(d), n, left, 0 if causal else -1, mods) if mods else \
+        hopper.config_for(padded_headdim(d))
+    if mods:
+        slopes = torch.rand(heads, device="cuda")
+        out, _ = hopper.forward(ka.Layout(q, k), q, k, v, d ** -0.5, left, 0 if causal else -1, config=cfg,
+                                softcap=5.0, alibi_slopes=slopes)
+    elif varlen:
         cu = torch.tensor([0, 1, n // 3, n], dtype=torch.int32, device="cuda")
         layout = ka.Layout(q[0], k[0], cu, cu, n - n // 3, n - n // 3)
         out, _ = hopper.forward(layout, q[0], k[0], v[0], d ** -0.5, -1, -1, config=cfg)
     else:
         out, _ = hopper.forward(ka.Layout(q, k), q, k, v, d ** -0.5, left, 0 if causal else -1, config=cfg)
     torch.cuda.synchronize()
-    print(f"consan d={d} n={n} heads={heads} causal={causal} varlen={varlen} window_left={left}: ok, "
+    print(f"consan d={d} n={n} heads={heads} causal={causal} varlen={varlen} window_left={left} mods={mods}: ok, "
           f"finite={bool(out.isfinite().all())}", flush=True)

@@ -101,6 +101,44 @@ def test_cu_seqlens_validation(cu, max_q, exc, match):
         flashtile.flash_attn_varlen_func(q, q, q, cu, cu_k, max_q, 5)
 
 
+def test_cu_seqlens_values_are_copied_once_per_unchanged_tensor(monkeypatch):
+    """A cu_seqlens tensor whose values passed is not copied to the host again (on a GPU each
+    copy is a sync) until it changes in place; a bad value written then is caught, and so is
+    a packed length or max_seqlen it was not checked against."""
+    from flashtile.validation import indices
+
+    copies = []
+    real = indices.to_host
+
+    def counting(*tensors):
+        copies.append(len(tensors))
+        return real(*tensors)
+
+    monkeypatch.setattr(indices, "to_host", counting)
+    q = torch.randn(9, 2, 16)
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    for _ in range(3):
+        flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5)
+    assert len(copies) == 1
+    flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6)  # another max_seqlen: checked again
+    assert len(copies) == 2
+    cu[1] = 10  # in place: the version counter moves
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 10, 10)
+    cu[1] = 4
+    flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5)
+    assert len(copies) == 4
+    flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5)
+    assert len(copies) == 4
+    with pytest.raises(ValueError, match="end at the packed length"):
+        flashtile.flash_attn_varlen_func(q[:8], q[:8], q[:8], cu, cu, 5, 5)  # another packed length
+    with torch.inference_mode():  # no version counter: checked at every call
+        frozen = torch.tensor([0, 5, 9], dtype=torch.int32)
+        for _ in range(2):
+            flashtile.flash_attn_varlen_func(q, q, q, frozen, frozen, 5, 5)
+    assert len(copies) == 7
+
+
 def test_cu_seqlens_batch_mismatch():
     q = torch.randn(9, 2, 16)
     with pytest.raises(ValueError, match="same batch"):

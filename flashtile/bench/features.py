@@ -1,6 +1,6 @@
-"""Training-feature benchmark on a CUDA GPU: packed varlen batches, sliding windows, dropout.
+"""Training-feature benchmark on a CUDA GPU: packed varlen batches, sliding windows, dropout, softcap and ALiBi.
 
-Three questions, each answered side by side in one process (bf16, D = 128, 16 heads):
+Four questions, each answered side by side in one process (bf16, D = 128, 16 heads):
 
 * ``bench = "varlen"`` -- a packed batch of sequences with lengths drawn from 128 ... 8k
   (seeded) summing to 64k tokens: ``flashtile_varlen`` (one launch) against the same batch
@@ -13,6 +13,10 @@ Three questions, each answered side by side in one process (bf16, D = 128, 16 he
   (query, key) pairs exactly.
 * ``bench = "dropout"`` -- forward + backward with ``dropout_p = 0.1`` against 0.0, at
   batch * N = 16k; ``overhead`` = time ratio - 1.
+* ``bench = "scoremods"`` -- a softcap (``softcap = 30``) or ALiBi slopes (``mods``), at
+  batch * N = 16k: ``flashtile`` (the ``auto`` engine: the Gluon forward on Hopper, the
+  ``tl.*`` backward), ``flashtile_triton`` (the ``tl.*`` kernels forced) and FlexAttention
+  with the same score modification; ``flashtile_plain`` is the call without it.
 """
 
 from __future__ import annotations
@@ -157,7 +161,69 @@ def _dropout_records(env, seqlens):
     return records
 
 
-def run_features_benchmark(out_dir=None, parts=("varlen", "window", "dropout"), progress=True):
+def _score_mod_records(env, seqlens, modes):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import flashtile
+    from flashtile.bench.gpu import engine_for
+
+    compiled = compile_for_benchmark(flex_attention)
+    cap = 30.0
+    slopes = 2.0 ** (-8.0 * torch.arange(1, NHEADS + 1, device="cuda") / NHEADS)  # ALiBi's geometric slopes
+
+    def softcap_mod(score, b, h, i, j):
+        return cap * torch.tanh(score / cap)
+
+    records = []
+    for seqlen in seqlens:
+        batch = max(1, 16384 // seqlen)
+
+        def alibi_mod(score, b, h, i, j):
+            return score - slopes[h] * (i - j).abs()
+
+        q, k, v = (torch.randn(batch, seqlen, NHEADS, HEADDIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            block_mask = _causal_block_mask(seqlen) if causal else None
+            for mods, kw, score_mod in (("softcap", dict(softcap=cap), softcap_mod),
+                                        ("alibi", dict(alibi_slopes=slopes), alibi_mod)):
+                def ours(q_, k_, v_, kw=kw):
+                    return flashtile.flash_attn_func(q_, k_, v_, causal=causal, **kw)
+
+                def on_triton(q_, k_, v_, kw=kw):
+                    with engine_for("flashtile_triton"):
+                        return flashtile.flash_attn_func(q_, k_, v_, causal=causal, **kw)
+
+                def plain(q_, k_, v_):
+                    return flashtile.flash_attn_func(q_, k_, v_, causal=causal)
+
+                def flex(q_, k_, v_, score_mod=score_mod, block_mask=block_mask):
+                    return compiled(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), score_mod=score_mod,
+                                    block_mask=block_mask).transpose(1, 2)
+
+                for mode in modes:
+                    for impl, fn in (("flashtile", ours), ("flashtile_triton", on_triton), ("flex", flex),
+                                     ("flashtile_plain", plain)):
+                        rec = dict(bench="scoremods", impl=impl, mode=mode, dtype="bfloat16", batch=batch,
+                                   nheads=NHEADS, nheads_k=NHEADS, seqlen_q=seqlen, seqlen_k=seqlen, headdim=HEADDIM,
+                                   causal=causal, mods=mods if impl != "flashtile_plain" else "none", **env)
+                        try:
+                            ms = time_attention(fn, mode, q, k, v)
+                        except Exception as e:  # noqa: BLE001
+                            records.append(dict(rec, ms=None, tflops=None, skipped=f"{type(e).__name__}: {str(e)[:200]}"))
+                            continue
+                        pairs = batch * (_pairs(seqlen, seqlen, True) if causal else seqlen * seqlen)
+                        records.append(dict(rec, ms=ms,
+                                            tflops=_flops_pairs(pairs, NHEADS, HEADDIM, mode) / (ms * 1e-3) / 1e12))
+    return records
+
+
+def _causal_block_mask(seqlen):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, i, j: j <= i, None, None, seqlen, seqlen, device="cuda")
+
+
+def run_features_benchmark(out_dir=None, parts=("varlen", "window", "dropout", "scoremods"), progress=True):
     out_dir = default_out_dir() if out_dir is None else out_dir
     env = environment("cuda")
     records = []
@@ -172,6 +238,8 @@ def run_features_benchmark(out_dir=None, parts=("varlen", "window", "dropout"), 
         records += _window_records(env, 32768, 4096, modes)
     if "dropout" in parts:
         records += _dropout_records(env, (2048, 8192))
+    if "scoremods" in parts:
+        records += _score_mod_records(env, (2048, 8192), modes)
     save_results(records, out_dir, "features", print_table, plot)
     return records
 
@@ -181,7 +249,8 @@ def print_table(records):
         print(f"\n{bench}: TFLOP/s (useful work), ms")
         for r in (r for r in records if r["bench"] == bench):
             extra = {"varlen": f"{r.get('lengths')}", "window": f"window {r.get('window_left')}",
-                     "dropout": f"p={r.get('dropout_p')} overhead {r.get('overhead', 0):+.1%}"}[bench]
+                     "dropout": f"p={r.get('dropout_p')} overhead {r.get('overhead', 0):+.1%}",
+                     "scoremods": f"{r.get('mods')}"}[bench]
             t = f"{r['tflops']:7.1f} {r['ms']:9.3f}" if r.get("tflops") else f"{'-':>7} {r.get('skipped', '')[:60]}"
             print(f"  {r['impl']:>22} {r['mode']:>8} causal={int(r['causal'])} N={r['seqlen_q']:>6} {t}  {extra}")
 
@@ -195,7 +264,8 @@ def plot(records, path):
         for r in rows:
             if (r["bench"], r["mode"], r["causal"], r.get("lengths", "")) == g:
                 extra = f" p={r['dropout_p']}" if r["bench"] == "dropout" else ""
-                labels.append(f"{g[0]} {g[1]} c={int(g[2])} {g[3]} N={r['seqlen_q']} {r['impl']}{extra}")
+                mods = f" {r['mods']}" if r["bench"] == "scoremods" else ""
+                labels.append(f"{g[0]} {g[1]} c={int(g[2])} {g[3]}{mods} N={r['seqlen_q']} {r['impl']}{extra}")
                 vals.append(r["tflops"])
     ax.barh(range(len(vals)), vals, color=["C0" if "flashtile" in s.split()[-1] or "p=" in s else "C1" for s in labels])
     ax.set_yticks(range(len(vals)), labels, fontsize=6)
@@ -211,6 +281,6 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="results folder (default: ~/.cache/flashtile; the committed results: --out benchmarks/results)")
-    ap.add_argument("--parts", nargs="+", default=["varlen", "window", "dropout"])
+    ap.add_argument("--parts", nargs="+", default=["varlen", "window", "dropout", "scoremods"])
     args = ap.parse_args()
     run_features_benchmark(args.out, parts=args.parts)

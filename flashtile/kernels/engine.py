@@ -4,8 +4,7 @@ Two engines compute the same attention on CUDA tensors:
 
 * ``gluon`` -- the Hopper kernels of ``flashtile/kernels/hopper/`` (warp-specialised,
   asynchronous wgmma), where they cover the call and are the faster engine: an sm_90 GPU,
-  Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout, softcap, ALiBi or paged
-  keys.  At d = 64 its three-consumer tiles measured 1.01-1.12x cuDNN non-causal on an
+  Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout or paged keys.  At d = 64 its three-consumer tiles measured 1.01-1.12x cuDNN non-causal on an
   H200, against 0.89-0.96x for the ``tl.*`` forward (N = 1k-16k; docs/tuning.md); under
   ``auto`` it does not take short masked calls at head dims up to 64 (``short_masked``);
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
@@ -87,8 +86,7 @@ def gluon_device_reason(device_index: int) -> str | None:
     return None
 
 
-def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes,
-                         paged: bool = False) -> str | None:
+def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, paged: bool = False) -> str | None:
     """Why the Gluon forward cannot take this call, or None when it can."""
     if not q.is_cuda:
         return "the tensors are not on a CUDA device"
@@ -106,10 +104,6 @@ def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: flo
         return "paged keys and values (block_table)"
     if dropout is not None:
         return "dropout"
-    if softcap > 0:
-        return "softcap"
-    if alibi_slopes is not None:
-        return "ALiBi"
     return None
 
 
@@ -143,11 +137,13 @@ def short_masked(seqlen_q: int, window_left: int, window_right: int, rows: int =
 THREE_CONSUMERS_MIN_ROWS = 1024
 
 
-def two_consumer_call(seqlen_q: int, window_left: int, window_right: int) -> bool:
+def two_consumer_call(seqlen_q: int, window_left: int, window_right: int, score_mods: bool = False) -> bool:
     """Whether a Gluon forward of ``seqlen_q`` query rows with this window takes the two-consumer
-    tiles at head dims up to 64 (``attention_fwd.call_config``): a short masked call, or an
-    unmasked one of fewer than ``THREE_CONSUMERS_MIN_ROWS`` rows."""
-    return short_masked(seqlen_q, window_left, window_right) or seqlen_q < THREE_CONSUMERS_MIN_ROWS
+    tiles at head dims up to 64 (``attention_fwd.call_config``): a short masked call, an
+    unmasked one of fewer than ``THREE_CONSUMERS_MIN_ROWS`` rows, or one with a softcap or ALiBi
+    (``score_mods``), whose extra per-score work spills from three 160-register consumers
+    (offline ptxas, d = 64: 80-1008 bytes, none with two)."""
+    return score_mods or short_masked(seqlen_q, window_left, window_right) or seqlen_q < THREE_CONSUMERS_MIN_ROWS
 
 
 def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
@@ -157,7 +153,7 @@ def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: floa
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
-    reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes, paged)
+    reason = gluon_forward_reason(q, k, dropout, paged)
     if reason is None and (wanted == "gluon" or not (short and q.shape[-1] <= GLUON_THREE_CONSUMERS_MAX_HEADDIM)):
         return "gluon"
     if wanted == "gluon":
@@ -184,9 +180,13 @@ def split_kv_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout=
 
 def gluon_backward_reason(q: torch.Tensor, k: torch.Tensor, dropout, softcap: float, alibi_slopes) -> str | None:
     """Why the Gluon backward cannot take this call, or None when it can."""
-    reason = gluon_forward_reason(q, k, dropout, softcap, alibi_slopes)
+    reason = gluon_forward_reason(q, k, dropout)
     if reason:
         return reason.replace("Gluon forward", "Gluon backward")
+    if softcap > 0:
+        return "softcap"
+    if alibi_slopes is not None:
+        return "ALiBi"
     if q.shape[-1] > GLUON_BACKWARD_MAX_HEADDIM:
         return f"head dim {q.shape[-1]} (the Gluon backward takes up to {GLUON_BACKWARD_MAX_HEADDIM})"
     return None

@@ -40,7 +40,10 @@ def score_mod(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale, softcap_scale, sof
         t = qk
         s = qk * qk_scale
     if HAS_ALIBI:
-        s = s - slope_log2 * tl.abs(q_idx + (seqlen_k - seqlen_q) - k_idx).to(tl.float32)
+        # The distance in float32 from the converted index vectors: one subtraction per score
+        # instead of integer arithmetic and an int-to-float conversion, which issues at the
+        # exp2 units' quarter rate.  Exact while indices stay below 2^24.
+        s = s - slope_log2 * tl.abs((q_idx + (seqlen_k - seqlen_q)).to(tl.float32) - k_idx.to(tl.float32))
     return s, t
 
 

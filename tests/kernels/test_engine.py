@@ -40,7 +40,7 @@ def test_short_masked_calls_are_masked_ones_with_few_query_rows():
 
 def test_reasons_cover_what_the_gluon_forward_lacks():
     q = torch.zeros(1, 4, 2, 128)
-    assert "CUDA" in engine.gluon_forward_reason(q, q, None, 0.0, None)
+    assert "CUDA" in engine.gluon_forward_reason(q, q, None)
 
 
 def test_backward_off_hopper_takes_the_tl_kernels_unless_gluon_is_forced(monkeypatch):
@@ -71,7 +71,12 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.forward_engine(make(64), make(64), short=True) == "gluon"
     monkeypatch.delenv(engine.ENGINE_ENV)
     assert engine.forward_engine(make(128, torch.float32), make(128, torch.float32)) == "triton"
-    assert engine.forward_engine(make(128), make(128), softcap=5.0) == "triton"
+    # Softcap and ALiBi: the Gluon forward computes them, the backward leaves them to tl.*.
+    slopes = torch.ones(2, device="cuda")
+    assert engine.forward_engine(make(128), make(128), softcap=5.0) == "gluon"
+    assert engine.forward_engine(make(128), make(128), alibi_slopes=slopes) == "gluon"
+    assert engine.backward_engine(make(128), make(128), softcap=5.0) == "triton"
+    assert engine.backward_engine(make(128), make(128), alibi_slopes=slopes) == "triton"
     assert engine.backward_engine(make(128), make(128)) == "gluon"
     assert engine.backward_engine(make(96), make(96)) == "gluon"
     assert engine.backward_engine(make(64), make(64)) == "gluon"
@@ -114,6 +119,7 @@ def test_two_consumer_calls_are_short_masked_or_few_unmasked_rows():
     assert not engine.two_consumer_call(engine.THREE_CONSUMERS_MIN_ROWS, -1, -1)
     assert engine.two_consumer_call(engine.SHORT_MASKED_ROWS - 1, -1, 0)
     assert not engine.two_consumer_call(engine.SHORT_MASKED_ROWS, -1, 0)
+    assert engine.two_consumer_call(engine.SHORT_MASKED_ROWS, -1, 0, score_mods=True)
 
 
 def test_fp8_takes_the_tl_kernel_unless_gluon_is_forced(monkeypatch):

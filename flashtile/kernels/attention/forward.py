@@ -216,7 +216,8 @@ def _forward(layout, q, k, v, params: AttentionParams, config):
                                          short=short_masked(layout.seqlen_q, window_left, window_right)) == "gluon":
         from flashtile.kernels.hopper import attention_fwd
 
-        return attention_fwd.forward(layout, q, k, v, softmax_scale, window_left, window_right)
+        return attention_fwd.forward(layout, q, k, v, softmax_scale, window_left, window_right, softcap=softcap,
+                                     alibi_slopes=alibi_slopes)
     d = q.shape[-1]
     hd = padded_headdim(d)
     cfg = config or fwd_config(hd, q.dtype, window_right >= 0)
@@ -316,7 +317,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
                       short=short_masked(q.shape[1], window_left, window_right)) == "gluon":
         from flashtile.kernels.hopper import attention_fwd
 
-        return attention_fwd.dense_plan(q, k, v, softmax_scale, window_left, window_right)
+        return attention_fwd.dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     layout = Layout(q, k)
     d = q.shape[-1]
     hd = padded_headdim(d)

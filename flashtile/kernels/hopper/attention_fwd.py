@@ -62,6 +62,7 @@ from flashtile.kernels.hopper.fp8_key_order import key_ordered_operand
 from flashtile.kernels.hopper.turns import hand_turn, issue_turn
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
+from flashtile.kernels.online_softmax import alibi_slope_log2, score_mod, score_mod_args
 from flashtile.kernels.plans import stand_ins
 from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
 from flashtile.kernels.tile_info import dealt_tile, sequence_bounds, work_schedule
@@ -151,14 +152,24 @@ def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                  full_lo, full_hi, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, OFFSET: gl.constexpr = 0):
+                  full_lo, full_hi, mods, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                  HAS_ALIBI: gl.constexpr, OFFSET: gl.constexpr = 0):
     """Online-softmax update for one key tile: (p, alpha, m, l) with scores in log2 units.
 
-    Tiles outside ``[full_lo, full_hi)`` are cut by the band or the sequence end and get
-    the element-wise mask; a row with no visible key so far keeps ``m = -inf`` and
-    subtracts 0, so its probabilities are exactly 0, never NaN.
+    ``mods`` is ``(softcap_scale, softcap_log2, slope_log2)``: with a softcap or ALiBi the
+    scores go through the portable kernels' ``score_mod`` (docs/semantics.md's order: scale,
+    softcap, ALiBi, then the masks) and leave it in log2 units.  Tiles outside ``[full_lo,
+    full_hi)`` are cut by the band or the sequence end and get the element-wise mask; a row
+    with no visible key so far keeps ``m = -inf`` and subtracts 0, so its probabilities are
+    exactly 0, never NaN.
     """
+    if HAS_SOFTCAP or HAS_ALIBI:
+        softcap_scale, softcap_log2, slope_log2 = mods
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        qk, _tanh = score_mod(qk, gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
+                              qk_scale, softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
+        qk_scale = 1.0  # already in log2 units
     if (n0 < full_lo) | (n0 >= full_hi):
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
@@ -203,7 +214,8 @@ def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D
 
 @gluon.jit
 def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr):
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
+              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Rows ``[64 * INDEX, 64 * INDEX + 64)`` of each query tile: the pipelined online-softmax loop.
 
     ``args`` are the kernel's buffers, barriers and runtime arguments, the same for every
@@ -219,9 +231,9 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     reduced precision, so chaining tiles in it drops a long row's small terms).
     """
     (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
-     O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-     stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-     window_left, window_right, num_items, section_heads) = args
+     O, LSE, CU_Q, CU_K, DESCALES, ALIBI, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+     stride_ds, stride_dsb, stride_ab, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+     softcap_scale, softcap_log2, window_left, window_right, num_items, section_heads) = args
     # Buffers: turns [NUM_CONSUMERS, 1], q [Q_BUFFERS * QUERY_BOXES, 1, BOX_ROWS, 1, HEAD_DIM] (a
     # query tile is QUERY_BOXES consecutive boxes), k [NUM_STAGES, 1, BLOCK_N, 1, HEAD_DIM].
     ROWS: gl.constexpr = CONSUMER_ROWS
@@ -264,6 +276,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
         if FP8:
             ds = DESCALES + b * stride_dsb + hk
             scale = qk_scale * gl.load(ds) * gl.load(ds + stride_ds)
+        mods = (softcap_scale, softcap_log2, alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI))
         qb = it % Q_BUFFERS
         q_empty_b = q_empty.index(qb)
         mbarrier.wait(q_ready.index(qb), (it // Q_BUFFERS) & 1)
@@ -302,8 +315,8 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 qk = warpgroup_mma_wait(0, deps=[qk])
                 mbarrier.arrive(k_empty.index(slot), count=1)
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, lo, offs_m, sq, sk, scale,
-                                                  window_left, window_right, full_lo, full_hi, s_layout, BLOCK_N,
-                                                  MASK_LEFT, MASK_RIGHT, OFFSET)
+                                                  window_left, window_right, full_lo, full_hi, mods, s_layout,
+                                                  BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, OFFSET)
                 if KEY_ORDER:
                     p_prev = key_ordered_operand(p, p_layout)
                 else:
@@ -329,8 +342,9 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                     qk, pv = warpgroup_mma_wait(1, deps=[qk, pv])
                     mbarrier.arrive(k_empty.index(slot), count=1)
                     p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, scale,
-                                                      window_left, window_right, full_lo, full_hi, s_layout,
-                                                      BLOCK_N, MASK_LEFT, MASK_RIGHT, OFFSET)
+                                                      window_left, window_right, full_lo, full_hi, mods, s_layout,
+                                                      BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                                      OFFSET)
                     pv = warpgroup_mma_wait(0, deps=[pv])
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     if FP8:
@@ -384,13 +398,13 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
 # its value never selects another compiled variant.
 @gluon.jit(do_not_specialize=["section_heads"])
 def attention_fwd_kernel(
-    Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K, DESCALES,
-    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb,
-    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, window_left, window_right, num_items,
-    section_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K, DESCALES, ALIBI,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb, stride_ab,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, softcap_scale, softcap_log2,
+    window_left, window_right, num_items, section_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
-    OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
+    OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -422,9 +436,9 @@ def attention_fwd_kernel(
     mbarrier.arrive(turns.index(0), count=1)
 
     consumer = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
-                O, LSE, CU_Q, CU_K, DESCALES, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                stride_ds, stride_dsb, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
-                window_left, window_right, num_items, section_heads)
+                O, LSE, CU_Q, CU_K, DESCALES, ALIBI, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                stride_ds, stride_dsb, stride_ab, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+                softcap_scale, softcap_log2, window_left, window_right, num_items, section_heads)
     producer = (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                 v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
                 num_items, section_heads)
@@ -432,15 +446,20 @@ def attention_fwd_kernel(
     # the producer are workers.
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
-            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
-            (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
+            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
+                         HAS_ALIBI)),
+            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
+                         HAS_ALIBI)),
+            (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
+                         HAS_ALIBI)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
-            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER)),
+            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
+                         HAS_ALIBI)),
+            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
+                         HAS_ALIBI)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -500,10 +519,12 @@ def config_for(head_dim_pad: int, two_consumers: bool = False) -> HopperConfig:
     return HopperConfig(block_n=64, num_stages=2)  # a second 64 KB query buffer does not fit
 
 
-def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right: int) -> HopperConfig:
-    """``config_for`` of a call with ``seqlen_q`` query rows (a packed batch's longest) and
-    this window (``-1``: unbounded on that side; causal is ``window_right = 0``)."""
-    return config_for(head_dim_pad, engine.two_consumer_call(seqlen_q, window_left, window_right))
+def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right: int,
+                score_mods: bool = False) -> HopperConfig:
+    """``config_for`` of a call with ``seqlen_q`` query rows (a packed batch's longest), this
+    window (``-1``: unbounded on that side; causal is ``window_right = 0``) and a softcap or
+    ALiBi or neither (``score_mods``)."""
+    return config_for(head_dim_pad, engine.two_consumer_call(seqlen_q, window_left, window_right, score_mods))
 
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs) that the offline
@@ -530,20 +551,36 @@ def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
                          int(l2_bytes(k.device.index) * cfg.l2_share))
 
 
+def kernel_constexprs(cfg: HopperConfig, hd: int, window_left: int, window_right: int, varlen: bool,
+                      has_softcap: bool = False, has_alibi: bool = False) -> dict:
+    """The 16-bit forward's constexprs and launch options for ``cfg``: what :func:`forward`,
+    :func:`dense_plan` and the offline compile check (``offline.compile_forward``) launch or
+    compile with."""
+    return dict(
+        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
+        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=varlen, PINGPONG=cfg.pingpong,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0, KEY_ORDER=False,
+        HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, num_warps=4, maxnreg=cfg.maxnreg,
+    )
+
+
 # The key count (``rows_k``) among the kernel's runtime arguments: it grows by a token a step
 # when a model calls with a KV cache that it extends (a hint for the launch layer's key).
 _DYNAMIC = (attention_fwd_kernel.arg_names.index("seqlen_k"),)
 
 
-def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None):
+def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=None, softcap=0.0, alibi_slopes=None):
     """The Hopper forward for ``layout`` (``flashtile.kernels.attention.Layout``): (out, lse).
 
     The output is allocated at the true head dim and written in place (no padded copy), the
-    LSE laid out as the ``tl.*`` kernels lay it out, for their backward.
+    LSE laid out as the ``tl.*`` kernels lay it out, for their backward.  ``softcap`` (0: none)
+    and ``alibi_slopes`` (``(nheads,)`` or ``(batch, nheads)`` fp32, or None) as in
+    ``flash_attn_func``.
     """
     d = q.shape[-1]
     hd = padded_headdim(d)
-    cfg = config or call_config(hd, layout.seqlen_q, window_left, window_right)
+    cfg = config or call_config(hd, layout.seqlen_q, window_left, window_right,
+                                softcap > 0 or alibi_slopes is not None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
     q, k, v = layout.prepare(q), layout.prepare(k), layout.prepare(v)
@@ -551,8 +588,9 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
         stride_ob, stride_om, stride_oh = 0, out.stride(0), out.stride(1)
     else:
         stride_ob, stride_om, stride_oh = out.stride(0), out.stride(1), out.stride(2)
-    unread = placeholder(q.device)  # the pointers the kernel does not read (not packed, not FP8)
+    unread = placeholder(q.device)  # the pointers the kernel does not read (not packed, not FP8, no ALiBi)
     cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(unread)
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, unread)
     num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
     if num_items == 0:
         return out, lse
@@ -561,25 +599,22 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     # launched directly (descriptors are classified by dtype, box and shared layout).
     launch(attention_fwd_kernel, grid, (
         layout.tiles(q, cfg.query_box_rows, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
-        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k, unread,  # no descales (16-bit inputs)
-        stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0,
+        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k,
+        unread, mods["alibi"],  # no descales (16-bit inputs)
+        stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0, mods["stride_ab"],
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
-        softmax_scale * LOG2E, window_left, window_right, num_items,
+        softmax_scale * LOG2E, mods["softcap_scale"], mods["softcap_log2"], window_left, window_right, num_items,
         layout_schedule(layout, k, cfg, window_left, window_right),
-    ), dict(
-        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
-        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=layout.varlen, PINGPONG=cfg.pingpong,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
-        KEY_ORDER=False,
-        num_warps=4, maxnreg=cfg.maxnreg,
-    ), dynamic=_DYNAMIC)
+    ), kernel_constexprs(cfg, hd, window_left, window_right, layout.varlen, mods["HAS_SOFTCAP"], mods["HAS_ALIBI"]),
+        dynamic=_DYNAMIC)
     return out, lse
 
 
-def dense_plan(q, k, v, softmax_scale, window_left, window_right):
+def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, alibi_slopes=None):
     """The launch plan of :func:`forward` for dense inputs with these shapes, strides, dtypes and
     device (what ``flashtile.kernels.attention.forward`` keys its plans by; TMA-ready strides,
-    no empty tensor): a function ``(q, k, v, params) -> (out, lse)``, ``None`` for a call whose
+    no empty tensor; ``alibi_slopes`` a sample of the calls' slopes, which each call passes in
+    its ``params``): a function ``(q, k, v, params) -> (out, lse)``, ``None`` for a call whose
     bases are not 16-byte aligned (the general path takes it).  Per call it allocates the
     outputs and launches, the three descriptors built from templates (``DescriptorTemplate``);
     the grid, the arguments and the constexprs are the ones :func:`forward` computes."""
@@ -588,7 +623,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
     layout = Layout(q, k)
     d = q.shape[-1]
     hd = padded_headdim(d)
-    cfg = call_config(hd, layout.seqlen_q, window_left, window_right)
+    cfg = call_config(hd, layout.seqlen_q, window_left, window_right, softcap > 0 or alibi_slopes is not None)
     out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
     templates = tuple(DescriptorTemplate(layout.tiles(t, rows, hd, descriptor))
                       for t, rows in ((q, cfg.query_box_rows), (k, cfg.block_n), (v, cfg.block_n)))
@@ -596,21 +631,19 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
     grid = (min(num_items, sm_count(device.index)) if cfg.persistent else num_items,)
     sample_out, sample_lse = stand_ins(device, (out_shape, dtype), (lse_shape, torch.float32))
     unread = placeholder(device)  # cu_seqlens and descales: not read by the dense 16-bit kernel
-    args = (*templates, sample_out, sample_lse, unread, unread, unread,
-            *sample_out.stride()[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k, layout.seqlen_q,
-            layout.nheads, layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E, window_left, window_right,
+    mods = score_mod_args(softmax_scale, softcap, alibi_slopes, unread)
+    has_alibi = mods["HAS_ALIBI"]
+    args = (*templates, sample_out, sample_lse, unread, unread, unread, mods["alibi"],
+            *sample_out.stride()[:3], *layout.lse_strides, 0, 0, mods["stride_ab"], layout.rows_q, layout.rows_k,
+            layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E,
+            mods["softcap_scale"], mods["softcap_log2"], window_left, window_right,
             num_items, layout_schedule(layout, k, cfg, window_left, window_right))
-    options = dict(
-        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
-        MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=False, PINGPONG=cfg.pingpong,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0,
-        KEY_ORDER=False,
-        num_warps=4, maxnreg=cfg.maxnreg,
-    )
+    options = kernel_constexprs(cfg, hd, window_left, window_right, False, mods["HAS_SOFTCAP"], has_alibi)
     # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
-    # call's q, k and v from the templates; the placeholders, ints and scale are its own tail, so
-    # a call passes its five tensors and is keyed on their dtypes and alignment alone.
-    bound = bind(attention_fwd_kernel, grid, options, args, tail_from=5)
+    # call's q, k and v from the templates; the placeholders, ints and scales are its own tail,
+    # so a call passes its five tensors (nine with ALiBi: the placeholders, then the call's
+    # slopes) and is keyed on their dtypes and alignment alone.
+    bound = bind(attention_fwd_kernel, grid, options, args, tail_from=9 if has_alibi else 5)
 
     def run(q, k, v, params):
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
@@ -618,7 +651,11 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right):
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
         lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
-        bound((q, k, v, out, lse))
+        if has_alibi:
+            slopes = params.alibi_slopes  # the kernel steps over heads with stride 1
+            bound((q, k, v, out, lse, unread, unread, unread, slopes if slopes.is_contiguous() else slopes.contiguous()))
+        else:
+            bound((q, k, v, out, lse))
         return out, lse
 
     return run

@@ -45,6 +45,11 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
                       ("backward", 64): 776, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
 
+# The forward with a softcap or ALiBi (``compile_forward(softcap=..., alibi=...)``): the
+# softcap's tanh and ALiBi's key distances beside the score tile leave a few words of the
+# loop in local memory at d >= 128 (offline ptxas, bf16: d = 128 24-72 bytes, d = 256 16-24);
+# at d = 64 such calls take two consumers of 240 registers, which spill nothing.
+SCORE_MOD_SPILL_BUDGET = {64: 0, 128: 80, 256: 32}
 
 # The backward's integer arguments that are 1 for one row of one sequence against one key, in
 # MHA, and that the JIT therefore specialises (``group`` is marked not to be).
@@ -67,25 +72,25 @@ def _aligned(fn, names) -> dict:
 
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
                     dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = "",
-                    two_consumers: bool = False):
+                    two_consumers: bool = False, softcap: bool = False, alibi: bool = False):
     """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
     (``alternative``: one of ``attention_fwd.ALTERNATIVES`` instead of the default configuration;
-    ``two_consumers``: the configuration of a call with few query rows at d = 64, ``config_for``)."""
+    ``two_consumers``: the configuration of a call with few query rows at d = 64, ``config_for``;
+    ``softcap`` / ``alibi``: with those score modifications)."""
     cfg = config or fwd.config_from_spec(hd, alternative, two_consumers)
     fn = fwd.attention_fwd_kernel
-    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
-            "nheads group headdim window_left window_right num_items section_heads").split()
+    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb stride_ab seqlen_q seqlen_k "
+            "max_seqlen_q nheads group headdim window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc(dtype, cfg.query_box_rows, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32",
-           "CU_K": "*i32", "DESCALES": "*fp32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
-    consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
-              "Q_BUFFERS": cfg.q_buffers, "MASK_LEFT": window, "MASK_RIGHT": causal or window, "VARLEN": varlen, "PINGPONG": cfg.pingpong,
-              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "FP8": False, "OFFSET": 0,
-              "KEY_ORDER": False}
-    sig.update({name: "constexpr" for name in consts})
+           "CU_K": "*i32", "DESCALES": "*fp32", "ALIBI": "*fp32", "qk_scale": "fp32", "softcap_scale": "fp32",
+           "softcap_log2": "fp32", **{name: "i32" for name in ints}}
+    options = fwd.kernel_constexprs(cfg, hd, 0 if window else -1, 0 if causal or window else -1, varlen, softcap, alibi)
+    compile_options = {name: options.pop(name) for name in ("num_warps", "maxnreg")}
+    sig.update({name: "constexpr" for name in options})
     attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=options, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=compile_options)
 
 
 def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
@@ -116,27 +121,35 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
     sm_90a (``alternative``: one of ``attention_fp8.ALTERNATIVES`` instead of the default configuration)."""
     cfg = config or fp8.config_from_spec(hd, causal, alternative)
     fn = fwd.attention_fwd_kernel
-    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb seqlen_q seqlen_k max_seqlen_q "
-            "nheads group headdim window_left window_right num_items section_heads").split()
+    ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb stride_ab seqlen_q seqlen_k "
+            "max_seqlen_q nheads group headdim window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc("fp8e4nv", cfg.query_box_rows, hd), "K_desc": _desc("fp8e4nv", cfg.block_n, hd),
            "V_desc": _desc("fp8e4nv", 0, 0, [1, 1, hd, cfg.block_n]), "O": "*bf16", "LSE": "*fp32",
-           "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "qk_scale": "fp32",
-           **{name: "i32" for name in ints}}
+           "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "ALIBI": "*fp32", "qk_scale": "fp32",
+           "softcap_scale": "fp32", "softcap_log2": "fp32", **{name: "i32" for name in ints}}
     consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
               "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False,
               "PINGPONG": cfg.pingpong, "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
               "FP8": True,
-              "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order}
+              "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order, "HAS_SOFTCAP": False, "HAS_ALIBI": False}
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 
-def within_budget(rep: dict, kernel: str, hd: int) -> bool:
-    """Spills within ``SPILL_STORE_BUDGET``, wgmma present and not serialised by ptxas, shared
+def spill_budget(variant: dict) -> int:
+    """Spilled bytes tolerated for one ``variants()`` entry: ``SPILL_STORE_BUDGET``, or
+    ``SCORE_MOD_SPILL_BUDGET`` for a forward with a softcap or ALiBi."""
+    if variant.get("softcap") or variant.get("alibi"):
+        return SCORE_MOD_SPILL_BUDGET[variant["hd"]]
+    return SPILL_STORE_BUDGET[variant["kernel"], variant["hd"]]
+
+
+def within_budget(rep: dict, variant: dict) -> bool:
+    """Spills within ``spill_budget``, wgmma present and not serialised by ptxas, shared
     memory that fits an SM."""
-    budget = SPILL_STORE_BUDGET[kernel, hd]
+    budget = spill_budget(variant)
     return (rep["spill_stores"] <= budget and rep["stack"] <= budget and rep["HGMMA"] + rep["QGMMA"] > 0
             and not rep["wgmma_serialized"] and rep["shared"] <= 232448)
 
@@ -156,6 +169,12 @@ def variants():
     for alternative, causal, hd in itertools.product(fwd.ALTERNATIVES, (False, True), (64, 128)):
         yield dict(kernel="forward", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16",
                    alternative=alternative)
+    # Softcap and ALiBi (each alone and both, causal and not) at every head dim, in bf16, with
+    # the consumers such calls take (``attention_fwd.call_config``: two at d = 64).
+    for (softcap, alibi), causal, hd in itertools.product(((True, False), (False, True), (True, True)), (False, True),
+                                                           HEAD_DIMS["forward"]):
+        yield dict(kernel="forward", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16",
+                   softcap=softcap, alibi=alibi, two_consumers=hd <= 64)
     # The two-consumer tiles of short calls at d = 64 (``attention_fwd.call_config``).
     for (causal, window), varlen in itertools.product(((False, False), (True, False), (False, True)), (False, True)):
         yield dict(kernel="forward", hd=64, causal=causal, window=window, varlen=varlen, dtype="bf16",
@@ -207,7 +226,7 @@ def main(argv=None) -> int:
     # Fresh interpreters for the workers (spawn): nothing of this process's state is forked.
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for v, rep in pool.map(_reported, variants()):
-            ok = within_budget(rep, v["kernel"], v["hd"])
+            ok = within_budget(rep, v)
             bad += not ok
             if as_json:
                 print(json.dumps({**v, **rep}), flush=True)

@@ -22,12 +22,15 @@ needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels nee
 FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
-def _check(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window, dtype, backward=True, seed=0):
+def _check(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window, dtype, backward=True, seed=0,
+           **mods):
+    """One call of ``flash_attn_func`` (``mods``: its ``softcap`` / ``alibi_slopes``) against the
+    float64 oracle: out, LSE and, with ``backward``, the gradients."""
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=dtype, device="cuda",
                          requires_grad=backward, seed=seed)
     torch.cuda.synchronize()
-    out, lse = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
-    kw = dict(causal=causal, window_size=window)
+    out, lse = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, **mods)
+    kw = dict(causal=causal, window_size=window, **mods)
     dout = random_like(out, seed=seed + 1)
     ref = reference_attention_grads(q, k, v, dout, **kw)
     low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
@@ -123,6 +126,69 @@ def test_gluon_forward_both_small_head_dim_configurations_match_reference(case, 
     cfg = attention_fwd.config_for(64, two_consumers)
     assert cfg.consumers == (2 if two_consumers else 3)
     _check_config(case, cfg)
+
+
+# Softcap and ALiBi: score modifications of the Gluon forward (docs/semantics.md's order: scale,
+# softcap, ALiBi, masks).  The backward of such calls is the tl.* one, so the gradients are
+# checked under ``auto`` (Gluon forward, tl.* backward reading its LSE).
+MOD_CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window
+    (1, 17, 17, 2, 2, 128, False, (-1, -1)),
+    (2, 1000, 1000, 4, 2, 128, True, (-1, -1)),
+    (1, 300, 1000, 2, 1, 64, True, (-1, -1)),  # Nq < Nk, GQA, three consumers
+    (1, 2500, 2500, 2, 2, 64, False, (-1, -1)),
+    (1, 1000, 700, 2, 2, 256, True, (-1, -1)),  # Nq > Nk: rows that see nothing
+    (1, 1100, 1300, 2, 1, 96, False, (100, 37)),
+]
+
+
+def _mods(kind, batch, nheads):
+    slopes = torch.rand(batch, nheads, device="cuda", dtype=torch.float32) * 0.3
+    return {"softcap": dict(softcap=4.0), "alibi": dict(alibi_slopes=slopes),
+            "alibi-per-head": dict(alibi_slopes=slopes[0].contiguous()),
+            "both": dict(softcap=10.0, alibi_slopes=slopes)}[kind]
+
+
+@needs_hopper
+@pytest.mark.parametrize("kind", ["softcap", "alibi", "alibi-per-head", "both"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", MOD_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(
+    *c[:6], "causal" if c[6] else "full", c[7]))
+def test_gluon_forward_softcap_and_alibi_match_reference(case, dtype, kind):
+    _check(*case, dtype=dtype, backward=False, **_mods(kind, case[0], case[3]))
+
+
+@needs_hopper
+@pytest.mark.parametrize("kind", ["softcap", "both"])
+@pytest.mark.parametrize("case", [c for c in MOD_CASES if c[5] <= 128], ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}".format(
+    *c[:6]))
+def test_softcap_and_alibi_gradients_through_the_tl_backward(case, kind, monkeypatch):
+    from flashtile.kernels import engine
+
+    monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
+    mods = _mods(kind, case[0], case[3])
+    q = torch.empty(1, 1, 1, case[5], device="cuda", dtype=torch.bfloat16)
+    assert engine.forward_engine(q, q, **mods) == "gluon" and engine.backward_engine(q, q, **mods) == "triton"
+    _check(*case, dtype=torch.bfloat16, backward=True, **mods)
+
+
+@needs_hopper
+def test_gluon_forward_plan_reads_each_calls_alibi_slopes():
+    """The dense plan (a key's later calls) passes the call's own slopes: new values, and a
+    non-contiguous view of them, change the output as the oracle says."""
+    q, k, v = random_qkv(1, 256, 256, 4, 4, 128, dtype=torch.bfloat16, device="cuda")
+    for i in range(4):
+        slopes = torch.rand(1, 4, device="cuda") * (i + 1) * 0.1
+        got = flashtile.flash_attn_func(q, k, v, alibi_slopes=slopes, causal=True)
+        ref = reference_attention_grads(q, k, v, torch.zeros_like(q), alibi_slopes=slopes, causal=True)
+        low = reference_attention_grads(q, k, v, torch.zeros_like(q), upcast=False, alibi_slopes=slopes, causal=True)
+        assert_close_to_reference(got, ref[0], low[0], f"out, call {i}", atol_floor=FLOOR[torch.bfloat16])
+        strided = torch.rand(4, 2, device="cuda").t()[0]  # (nheads,) at stride 2
+        got = flashtile.flash_attn_func(q, k, v, alibi_slopes=strided)
+        ref = reference_attention_grads(q, k, v, torch.zeros_like(q), alibi_slopes=strided)
+        low = reference_attention_grads(q, k, v, torch.zeros_like(q), upcast=False, alibi_slopes=strided)
+        assert_close_to_reference(got, ref[0], low[0], f"out, strided slopes, call {i}",
+                                  atol_floor=FLOOR[torch.bfloat16])
 
 
 @needs_hopper

@@ -36,6 +36,7 @@ def test_three_consumers_serve_small_head_dims_but_not_short_calls():
     assert attention_fwd.call_config(64, 1500, -1, 0).consumers == 2  # causal, short
     assert attention_fwd.call_config(64, 1500, 128, -1).consumers == 2  # left window, short
     assert attention_fwd.call_config(64, SHORT_MASKED_ROWS, -1, 0).consumers == 3
+    assert attention_fwd.call_config(64, SHORT_MASKED_ROWS, -1, 0, score_mods=True).consumers == 2  # softcap / ALiBi
     assert attention_fwd.call_config(128, 16384, -1, -1).consumers == 2
     assert attention_fwd.call_config(128, 512, -1, -1).consumers == 2
     for two_consumers in (False, True):

@@ -37,10 +37,10 @@ def test_every_variant_was_compiled(reports):
 
 
 def test_no_variant_spills_beyond_budget_or_loses_wgmma(reports):
-    from flashtile.kernels.hopper.offline import SPILL_STORE_BUDGET
+    from flashtile.kernels.hopper.offline import spill_budget
 
-    bad = [r for r in reports if r["spill_stores"] > SPILL_STORE_BUDGET[r["kernel"], r["hd"]]
-           or r["stack"] > SPILL_STORE_BUDGET[r["kernel"], r["hd"]] or not (r["HGMMA"] or r["QGMMA"])]
+    bad = [r for r in reports if r["spill_stores"] > spill_budget(r)
+           or r["stack"] > spill_budget(r) or not (r["HGMMA"] or r["QGMMA"])]
     assert not bad, "\n".join(map(str, bad))
 
 
@@ -55,8 +55,10 @@ def test_most_forward_variants_do_not_spill_at_all(reports):
     # The forward's budget at d >= 128 is for a few loop scalars in some variants (5 of 26:
     # 8-40 bytes, docs/tuning.md), not a drift everywhere.  At d = 64 three consumers fill the
     # SM's registers, and the dense variants spill within their own budget
-    # (offline.SPILL_STORE_BUDGET).
-    forward = [r for r in reports if r["kernel"] == "forward" and r["hd"] > 64]
+    # (offline.SPILL_STORE_BUDGET).  Softcap and ALiBi variants have a budget of their own
+    # (offline.SCORE_MOD_SPILL_BUDGET) and are not counted here.
+    forward = [r for r in reports if r["kernel"] == "forward" and r["hd"] > 64
+               and not (r.get("softcap") or r.get("alibi"))]
     spilling = [r for r in forward if r["spill_stores"]]
     assert len(spilling) <= len(forward) // 4, "\n".join(map(str, spilling))
 
