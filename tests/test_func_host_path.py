@@ -348,6 +348,54 @@ def test_stubbed_plans_launch_what_the_general_path_launches(stubbed, monkeypatc
 
 
 @in_child
+def test_stubbed_gluon_forward_arguments_by_name(stubbed, monkeypatch):
+    """Every launch of the Gluon forward -- the general path, the plan and the FP8 launcher --
+    passes each runtime parameter what its name says (the launchers list them by position)."""
+    import math
+
+    from flashtile.kernels.attention import forward
+    from flashtile.kernels.hopper import attention_fp8, attention_fwd
+
+    launches, inputs = stubbed
+    monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
+    q, k, v = _qkv((2, 130, 4, 128), (2, 300, 2, 128), dtype=torch.bfloat16)
+    slopes = torch.rand(2, 4)
+    inputs.update({q.data_ptr(): "q", slopes.data_ptr(): "alibi"})
+    params = AttentionParams(0.125, window_left=-1, window_right=0, softcap=5.0, alibi_slopes=slopes)
+    for _ in range(3):  # the general path (which builds the plan), then the plan twice
+        forward.fwd(q, k, v, params)
+    names = attention_fwd.attention_fwd_kernel.arg_names
+    log2e = math.log2(math.e)
+    for name, grid, args, options in launches:
+        assert name == "attention_fwd_kernel"
+        got = dict(zip(names, args))
+        assert got["ALIBI"][-1] == "alibi" and got["stride_ab"] == (int, 4)
+        assert got["softcap_scale"] == (float, 2 * log2e * 0.125 / 5.0) and got["softcap_log2"] == (float, 5.0 * log2e)
+        assert got["qk_scale"] == (float, 0.125 * log2e)
+        assert got["window_left"] == (int, -1) and got["window_right"] == (int, 0)
+        assert got["O"][0] == "tensor" and got["O"][1] == torch.bfloat16 and got["LSE"][1] == torch.float32
+        assert got["seqlen_q"] == (int, 130) and got["seqlen_k"] == (int, 300) and got["group"] == (int, 2)
+        assert got["headdim"] == (int, 128) and got["section_heads"][0] is int
+        assert dict(options)["HAS_SOFTCAP"] is True and dict(options)["HAS_ALIBI"] is True
+
+    # The FP8 form goes through kernel[grid] itself: record what Triton's launch receives.
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, grid, warmup, **kw: calls.append((a, kw)))
+    q8, k8 = (t.to(torch.float8_e4m3fn) for t in (q, k))
+    v_t = k8.permute(0, 2, 3, 1).contiguous()
+    one = torch.ones(1)
+    attention_fp8.forward(q8, k8, v_t, one, one, one, 0.125, causal=True)
+    (a, kw), = calls
+    got = dict(zip(names, a))
+    assert got["ALIBI"].dtype == torch.float32 and got["stride_ab"] == 0
+    assert got["softcap_scale"] == 0.0 and got["softcap_log2"] == 0.0 and got["qk_scale"] == 0.125 * log2e
+    assert got["window_left"] == -1 and got["window_right"] == 0 and got["DESCALES"].shape[0] == 3
+    assert kw["HAS_SOFTCAP"] is False and kw["HAS_ALIBI"] is False and kw["FP8"] is True
+
+
+@in_child
 @pytest.mark.parametrize("engine", ["auto", "triton"])
 @pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True)])
 @pytest.mark.parametrize("case", ["full", "causal", "window", "softcap", "deterministic"])

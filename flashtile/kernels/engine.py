@@ -142,7 +142,7 @@ def two_consumer_call(seqlen_q: int, window_left: int, window_right: int, score_
     tiles at head dims up to 64 (``attention_fwd.call_config``): a short masked call, an
     unmasked one of fewer than ``THREE_CONSUMERS_MIN_ROWS`` rows, or one with a softcap or ALiBi
     (``score_mods``), whose extra per-score work spills from three 160-register consumers
-    (offline ptxas, d = 64: 80-1008 bytes, none with two)."""
+    (offline ptxas, d = 64: 80-1008 bytes, at most 80 with two)."""
     return score_mods or short_masked(seqlen_q, window_left, window_right) or seqlen_q < THREE_CONSUMERS_MIN_ROWS
 
 

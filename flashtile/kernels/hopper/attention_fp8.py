@@ -130,12 +130,13 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
     programs = min(num_items, sm_count(q.device.index))
     attention_fwd_kernel[(programs,)](
         _descriptor(q, [1, cfg.query_box_rows, 1, hd]), _descriptor(k, [1, cfg.block_n, 1, hd]),
-        _descriptor(v_t, [1, 1, hd, cfg.block_n]), out, lse, lse, lse, descales, lse,  # no ALiBi
+        _descriptor(v_t, [1, 1, hd, cfg.block_n]), out, lse, lse, lse, descales,
         out.stride(0), out.stride(1), out.stride(2), nheads * seqlen_q, seqlen_q, descales.stride(0),
-        descales.stride(1), 0, seqlen_q, seqlen_k, seqlen_q, nheads, nheads // nheads_k, d, softmax_scale * LOG2E,
-        0.0, 0.0, -1, 0 if causal else -1, num_items,
+        descales.stride(1), seqlen_q, seqlen_k, seqlen_q, nheads, nheads // nheads_k, d, softmax_scale * LOG2E,
+        -1, 0 if causal else -1, num_items,
         work_schedule(batch * nheads, nheads // nheads_k, seqlen_q, seqlen_k, 2 * d, cfg.block_m, cfg.block_n, -1,
                       0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
+        lse, 0, 0.0, 0.0,  # no ALiBi, no softcap
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,

@@ -395,13 +395,16 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
 
 
 # ``section_heads`` varies with the shape and only causal calls read it: not specialised, so
-# its value never selects another compiled variant.
+# its value never selects another compiled variant.  The score modifications' arguments come
+# last: among the others they changed ptxas's allocation enough to spill 16 bytes in the dense
+# d = 256 kernel, which spills nothing this way (offline, sm_90a).
 @gluon.jit(do_not_specialize=["section_heads"])
 def attention_fwd_kernel(
-    Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K, DESCALES, ALIBI,
-    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb, stride_ab,
-    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale, softcap_scale, softcap_log2,
-    window_left, window_right, num_items, section_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    Q_desc, K_desc, V_desc, O, LSE, CU_Q, CU_K, DESCALES,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_ds, stride_dsb,
+    seqlen_q, seqlen_k, max_seqlen_q, nheads, group, headdim, qk_scale,
+    window_left, window_right, num_items, section_heads, ALIBI, stride_ab, softcap_scale, softcap_log2,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
     OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -599,12 +602,12 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     # launched directly (descriptors are classified by dtype, box and shared layout).
     launch(attention_fwd_kernel, grid, (
         layout.tiles(q, cfg.query_box_rows, hd, descriptor), layout.tiles(k, cfg.block_n, hd, descriptor),
-        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k,
-        unread, mods["alibi"],  # no descales (16-bit inputs)
-        stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0, mods["stride_ab"],
+        layout.tiles(v, cfg.block_n, hd, descriptor), out, lse, cu_q, cu_k, unread,  # no descales (16-bit inputs)
+        stride_ob, stride_om, stride_oh, stride_lb, stride_lh, 0, 0,
         layout.rows_q, layout.rows_k, layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d,
-        softmax_scale * LOG2E, mods["softcap_scale"], mods["softcap_log2"], window_left, window_right, num_items,
+        softmax_scale * LOG2E, window_left, window_right, num_items,
         layout_schedule(layout, k, cfg, window_left, window_right),
+        mods["alibi"], mods["stride_ab"], mods["softcap_scale"], mods["softcap_log2"],
     ), kernel_constexprs(cfg, hd, window_left, window_right, layout.varlen, mods["HAS_SOFTCAP"], mods["HAS_ALIBI"]),
         dynamic=_DYNAMIC)
     return out, lse
@@ -633,17 +636,19 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, a
     unread = placeholder(device)  # cu_seqlens and descales: not read by the dense 16-bit kernel
     mods = score_mod_args(softmax_scale, softcap, alibi_slopes, unread)
     has_alibi = mods["HAS_ALIBI"]
-    args = (*templates, sample_out, sample_lse, unread, unread, unread, mods["alibi"],
-            *sample_out.stride()[:3], *layout.lse_strides, 0, 0, mods["stride_ab"], layout.rows_q, layout.rows_k,
+    args = (*templates, sample_out, sample_lse, unread, unread, unread,
+            *sample_out.stride()[:3], *layout.lse_strides, 0, 0, layout.rows_q, layout.rows_k,
             layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, d, softmax_scale * LOG2E,
-            mods["softcap_scale"], mods["softcap_log2"], window_left, window_right,
-            num_items, layout_schedule(layout, k, cfg, window_left, window_right))
+            window_left, window_right, num_items, layout_schedule(layout, k, cfg, window_left, window_right),
+            mods["alibi"], mods["stride_ab"], mods["softcap_scale"], mods["softcap_log2"])
     options = kernel_constexprs(cfg, hd, window_left, window_right, False, mods["HAS_SOFTCAP"], has_alibi)
     # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
     # call's q, k and v from the templates; the placeholders, ints and scales are its own tail,
-    # so a call passes its five tensors (nine with ALiBi: the placeholders, then the call's
-    # slopes) and is keyed on their dtypes and alignment alone.
-    bound = bind(attention_fwd_kernel, grid, options, args, tail_from=9 if has_alibi else 5)
+    # so a call passes its five tensors and is keyed on their dtypes and alignment alone.  With
+    # ALiBi the call's slopes come after the plan's own objects up to them (``mid``).
+    slopes_at = attention_fwd_kernel.arg_names.index("ALIBI")
+    bound = bind(attention_fwd_kernel, grid, options, args, tail_from=slopes_at + 1 if has_alibi else 5)
+    mid = args[5:slopes_at]
 
     def run(q, k, v, params):
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
@@ -653,7 +658,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, a
         lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
         if has_alibi:
             slopes = params.alibi_slopes  # the kernel steps over heads with stride 1
-            bound((q, k, v, out, lse, unread, unread, unread, slopes if slopes.is_contiguous() else slopes.contiguous()))
+            bound((q, k, v, out, lse, *mid, slopes if slopes.is_contiguous() else slopes.contiguous()))
         else:
             bound((q, k, v, out, lse))
         return out, lse
