@@ -4,7 +4,8 @@ Two engines compute the same attention on CUDA tensors:
 
 * ``gluon`` -- the Hopper kernels of ``flashtile/kernels/hopper/`` (warp-specialised,
   asynchronous wgmma), where they cover the call and are the faster engine: an sm_90 GPU,
-  Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout or paged keys.  At d = 64 its three-consumer tiles measured 1.01-1.12x cuDNN non-causal on an
+  Triton 3.6, float16 / bfloat16, head dims 33-256, no dropout or paged keys (softcap and
+  ALiBi included).  At d = 64 its three-consumer tiles measured 1.01-1.12x cuDNN non-causal on an
   H200, against 0.89-0.96x for the ``tl.*`` forward (N = 1k-16k; docs/tuning.md); under
   ``auto`` it does not take short masked calls at head dims up to 64 (``short_masked``);
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
@@ -149,7 +150,9 @@ def two_consumer_call(seqlen_q: int, window_left: int, window_right: int, score_
 def forward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: float = 0.0, alibi_slopes=None,
                    paged: bool = False, short: bool = False) -> str:
     """``"gluon"`` or ``"triton"`` for an attention forward on ``q``'s device (``short``: the
-    call is :func:`short_masked`)."""
+    call is :func:`short_masked`).  Callers pass every feature of the call, as they do to
+    :func:`backward_engine`; the Gluon forward takes a softcap and ALiBi, so today only
+    dropout and paged keys decide."""
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
