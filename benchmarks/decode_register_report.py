@@ -1,10 +1,11 @@
 """Registers and spills of the decode split kernel for sm_90, compiled offline (no GPU needed).
 
 The split kernel carries the step's optional work behind constexprs -- the fused append of
-new keys/values (``APPEND``) and the rotary of q and the new keys (``ROTARY``) -- so each
-combination is compiled here at the H200's launch configuration (16-row query tile of one
-GQA group, 128-key tiles, 4 warps, 3 stages; paged: 16-row pages) and ptxas's register
-count and spill bytes are printed (``flashtile.kernels.sass.report``).  Pointer arguments a
+new keys/values (``APPEND``), the rotary of q and the new keys (``ROTARY``) and the merge of
+the splits by their last program (``MERGE_LAST``, 8 splits) -- so each combination is
+compiled here at the H200's launch configuration (16-row query tile of one GQA group,
+128-key tiles, 4 warps, 3 stages; paged: 16-row pages) and ptxas's register count and spill
+bytes are printed (``flashtile.kernels.sass.report``).  Pointer arguments a
 variant does not read are constexpr ``None``, as the bound launch passes them, and the int
 arguments are specialised as Triton specialises those of the H200 decoding step
 (``_sample_ints``: equal to 1 -> constexpr, multiples of 16 marked so)::
@@ -23,7 +24,7 @@ from flashtile.kernels import decode as kd
 from flashtile.kernels.sass import TARGET, report
 
 _POINTERS = ("Q", "K", "V", "O_PART", "SEQLENS_K", "CACHE_BATCH_IDX", "BLOCK_TABLE", "LEFTPAD", "ALIBI", "OUT", "LSE",
-             "K_NEW", "V_NEW", "COS", "SIN")
+             "K_NEW", "V_NEW", "COS", "SIN", "ARRIVALS")
 _FLOATS = ("qk_scale", "softcap_scale", "softcap_log2")
 
 
@@ -53,7 +54,7 @@ def _sample_ints(paged, append, rotary, direct, block_n, seqlen_q=1, seqlen_new=
 
 def compile_split(hd=128, block_m=16, block_n=128, warps=4, stages=3, paged=False, append=False, rotary=False,
                   causal=False, direct=False, dtype="bf16", softcap=False, alibi=False, interleaved=False,
-                  seqlen_q=1, seqlen_new=1):
+                  seqlen_q=1, seqlen_new=1, merge_last=False, block_s=8):
     """The split kernel compiled for sm_90 with the pointer arguments and constexprs of a
     launch of this variant (the one argument builder of the offline reports: also
     ``benchmarks/kernel_report.py decode``)."""
@@ -63,10 +64,13 @@ def compile_split(hd=128, block_m=16, block_n=128, warps=4, stages=3, paged=Fals
     used |= {"ALIBI"} if alibi else set()
     used |= {"K_NEW", "V_NEW"} if append else set()
     used |= {"COS", "SIN"} if rotary else set()
+    used |= {"ARRIVALS"} if merge_last and not direct else set()
     consts = {"HAS_SEQLENS": True, "headdim": hd, "HEAD_DIM": hd, "BLOCK_M": block_m, "BLOCK_N": block_n,
               "MASK_LEFT": False, "MASK_RIGHT": causal, "HAS_SOFTCAP": softcap, "HAS_ALIBI": alibi, "PAGED": paged,
-              "PAGE_SIZE": 16 if paged else 1, "HAS_BATCH_IDX": False, "DOT_PRECISION": "tf32", "PDL": not direct,
-              "DIRECT": direct, "HAS_LEFTPAD": False, "APPEND": append, "ROTARY": rotary, "INTERLEAVED": interleaved,
+              "PAGE_SIZE": 16 if paged else 1, "HAS_BATCH_IDX": False, "DOT_PRECISION": "tf32",
+              "PDL": not (direct or merge_last), "DIRECT": direct, "MERGE_LAST": merge_last and not direct,
+              "BLOCK_S": block_s if merge_last and not direct else 1, "HAS_LEFTPAD": False, "APPEND": append,
+              "ROTARY": rotary, "INTERLEAVED": interleaved,
               "ROTARY_LOCAL": causal, "BLOCK_B": 8 if append else 1, "BLOCK_P": 2 if append else 1,
               "BLOCK_T": 1, "BLOCK_NEW": 16}
     ints = _sample_ints(paged, append, rotary, direct, block_n, seqlen_q, seqlen_new)
@@ -77,7 +81,7 @@ def compile_split(hd=128, block_m=16, block_n=128, warps=4, stages=3, paged=Fals
         elif name in _POINTERS:
             if name in used:
                 elt = "fp32" if name in ("O_PART", "LSE", "ALIBI", "COS", "SIN") else \
-                    "i32" if name in ("SEQLENS_K", "BLOCK_TABLE") else dtype
+                    "i32" if name in ("SEQLENS_K", "BLOCK_TABLE", "ARRIVALS") else dtype
                 sig[name] = f"*{elt}"
             else:
                 sig[name] = "constexpr"
@@ -107,11 +111,13 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     args = ap.parse_args()
     for paged, append, rotary, direct in itertools.product((False, True), repeat=4):
-        for interleaved in (False, True) if rotary else (False,):
+        for interleaved, merge_last in itertools.product((False, True) if rotary else (False,),
+                                                         (False,) if direct else (False, True)):
             k = compile_split(hd=args.headdim, block_n=args.block_n if not paged else 64, stages=args.stages,
-                              paged=paged, append=append, rotary=rotary, direct=direct, interleaved=interleaved)
+                              paged=paged, append=append, rotary=rotary, direct=direct, interleaved=interleaved,
+                              merge_last=merge_last)
             print(f"paged={int(paged)} append={int(append)} rotary={int(rotary)} interleaved={int(interleaved)} "
-                  f"direct={int(direct)}: {report(k)}", flush=True)
+                  f"direct={int(direct)} merge_last={int(merge_last)}: {report(k)}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ layer's key and cache look-up -- with only the GPU-side pieces replaced:
   every ``is_cuda`` branch takes the GPU path; the device queries flashtile makes
   (capability, SM count, current device, stream capture, and the decode configuration's
   device and shared memory) answer as an H200 would, so a decode call makes the H200's
-  launches and allocations (at the cases' shape: split kernel and combine);
+  launches and allocations (at the cases' shape: the split kernel, which merges its splits itself);
 * Triton's ordinary launch (``JITFunction.run``) returns a stand-in compiled kernel per
   kernel, argument types and descriptor boxes, whose launcher is Triton's own Python launcher
   object (``CudaLauncher``, with its per-argument descriptor handling,
@@ -103,7 +103,7 @@ def stubbed_gpu():
 
     from flashtile.kernels import decode as decode_mod
     from flashtile.kernels import launch as launch_mod
-    from flashtile.kernels import runtime
+    from flashtile.kernels import runtime, workspace
 
     import triton
 
@@ -142,6 +142,8 @@ def stubbed_gpu():
     patch(torch.cuda, "get_device_properties", lambda *a: _Props)
     patch(torch.cuda, "current_device", lambda: 0)
     patch(torch.cuda, "is_current_stream_capturing", lambda: False)
+    patch(workspace, "_capturing", lambda: False)
+    patch(workspace, "_current_stream", lambda index: 0)
     # The decode launch configuration asks the device's type (CPU tensors here: one SM, no
     # split) and Triton's driver (shared memory): answered as on an H200 (132 SMs, 227 KB), so
     # that the split count, and with it the launches and allocations, are the H200's.
@@ -165,6 +167,7 @@ def stubbed_gpu():
         runtime.has_programmatic_launch.cache_clear()
         decode_mod.clear_plans()
         launch_mod.clear()
+        workspace.clear()
 
 
 _MISSING = object()

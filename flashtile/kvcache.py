@@ -168,16 +168,18 @@ def _attend_triton(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
 
 
 def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, left, right, softcap,
-                 alibi_slopes, num_splits, leftpad=None, rotary=None, entry=None):
+                 alibi_slopes, num_splits, leftpad=None, rotary=None, entry=None, need_lse=True):
     """The append (if ``k`` is given) and the attention, on checked arguments, in one split
-    kernel launch (plus the combine when the keys are split): the kernel writes the new keys
+    kernel launch (plus the combine kernel for a step of many splits or one captured into a
+    CUDA graph; see ``decode.MERGE_LAST_MAX_SPLITS``): the kernel writes the new keys
     into the cache and attends to them; with ``rotary`` ``(cos, sin, interleaved, local)`` it
     rotates q and the new keys (see :func:`flashtile.kernels.decode._decode_split`).
 
     A decoding step lasts microseconds on the GPU, so nothing but the kernels is launched:
     index tensors go to them as they are (int32 or int64), one int length for every sequence
     as an int.  ``entry``: the call's memo entry (:class:`_Checked`), which keeps the launch
-    plan; ``None`` builds the plan for this call alone."""
+    plan; ``None`` builds the plan for this call alone.  ``need_lse`` False: the LSE is not
+    returned (None), nor allocated."""
     from flashtile.kernels import decode as kd
 
     compiling = torch.compiler.is_compiling()
@@ -213,7 +215,7 @@ def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bloc
                 entry.plan, entry.tuning, entry.generation, entry.as_read = plan, raw, kd.plan_generation, as_read
     cos, sin = (rotary[0], rotary[1]) if rotary is not None else (None, None)
     return plan.run(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, leftpad, alibi_slopes, k, v,
-                    cos, sin, bound=not compiling)
+                    cos, sin, bound=not compiling, need_lse=need_lse)
 
 
 def flash_attn_with_kvcache(
@@ -309,7 +311,7 @@ def flash_attn_with_kvcache(
     args = (params.softmax_scale, params.window_left, params.window_right, params.softcap, alibi_slopes)
     if is_cuda:
         out, lse = _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, *args,
-                                num_splits, leftpad=cache_leftpad, rotary=rotary, entry=entry)
+                                num_splits, leftpad=cache_leftpad, rotary=rotary, entry=entry, need_lse=return_lse)
         return (out, lse) if return_lse else out
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)

@@ -96,7 +96,7 @@ def test_decode_steps_reuse_their_checks_and_launch_plans(stub):
     assert not kd._split_plans and not kd._append_plans
     plans = [e.plan for e in kvcache._checked.values() if e.plan is not None]
     assert len(plans) == 1 and not plans[0].direct  # the H200's split count: the combine kernel runs too
-    assert plans[0].options["APPEND"]
+    assert plans[0].eager.options["APPEND"]
     assert stub["ordinary"] == 2 and stub["direct"] == 10
 
 
@@ -129,7 +129,7 @@ def test_tuning_environment_rebuilds_the_memoised_plan(stub, monkeypatch):
     assert entry.plan is first
     monkeypatch.setenv(kd.TUNING_ENV, "warps=8")
     flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=12)
-    assert entry.plan is not first and entry.plan.options["num_warps"] == 8
+    assert entry.plan is not first and entry.plan.eager.options["num_warps"] == 8
 
 
 @in_child

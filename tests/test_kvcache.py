@@ -143,6 +143,46 @@ def test_split_kernel_takes_strided_index_tensors():
 
 @needs_kernels
 @pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("seqlen_q,group,d", [(1, 4, 32), (2, 2, 40), (33, 4, 128)])
+@pytest.mark.parametrize("append", [False, True])
+def test_split_kernel_merges_its_splits_as_the_combine_kernel_does(page_size, seqlen_q, group, d, append,
+                                                                   monkeypatch):
+    """Up to ``merge_last_max_splits`` splits an eager step's last program of each query tile
+    to finish merges the tile's partials in the split kernel, and a captured or traced step
+    (``bound=False`` here, torch.compile's way) merges them in the combine kernel in split
+    order: the same bits (the same steps per element).  Above, the combine kernel's
+    reductions over the split axis: the same up to rounding.  All agree with the reference,
+    with an empty sequence (every split empty: out 0, LSE -inf) and splits past a sequence's
+    end; (33, 4, 128): two query tiles per (sequence, KV head), each with its own counter.
+    With an append: the step that writes the cache (the empty sequence then holds its new key)."""
+    from flashtile.kernels import decode as kd
+
+    nheads = 2 * group
+    q, kc, vc, table = _case(3, seqlen_q, nheads, 2, d, 80, page_size, seed=64, device=DEVICE)
+    knew = vnew = None
+    if append:
+        knew, vnew = (torch.randn(3, 1, 2, d, generator=_gen(65 + i)).to(DEVICE) for i in range(2))
+    lengths = torch.tensor([0, 30, 79], dtype=torch.int32, device=DEVICE)
+    results = []
+    for knob, bound in (("", True), ("", False), ("merge_last_max_splits=0", True)):
+        monkeypatch.setenv(kd.TUNING_ENV, knob)
+        plan = kd.step_plan(q, kc, vc, knew, vnew, table, True, False, False, None, d ** -0.5, -1, 0, 0.0, 5, None,
+                            knob)
+        assert plan.eager.merge_last == (knob == "") and not plan.graph.merge_last and not plan.direct
+        assert plan.graph.combine_options["IN_ORDER"] == (knob == "")
+        kc_run, vc_run = kc.clone(), vc.clone()
+        results.append(plan.run(q, kc_run, vc_run, lengths, None, table, None, None, knew, vnew, bound=bound))
+    (merged, merged_lse), (in_order, in_order_lse), (reduced, reduced_lse) = results
+    assert torch.equal(merged, in_order) and torch.equal(merged_lse, in_order_lse)
+    torch.testing.assert_close(reduced, merged, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(reduced_lse, merged_lse, atol=1e-6, rtol=1e-5)
+    if not append:
+        assert torch.isneginf(merged_lse[0]).all() and not merged[0].any()
+    _check(merged, merged_lse, q, kc_run, vc_run, table, [n + append for n in lengths.tolist()], causal=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [None, 16])
 def test_split_kernel_takes_one_int_length_for_every_sequence(page_size):
     q, kc, vc, table = _case(2, 1, 4, 2, 32, 64, page_size, seed=12, device=DEVICE)
     as_tensor = torch.full((2,), 41, dtype=torch.int32, device=DEVICE)
@@ -385,6 +425,67 @@ def test_gpu_decode_matches_reference(page_size, dtype):
     # One int length for every sequence: passed to the kernel as it is.
     out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3000, block_table=table, return_lse=True)
     _check(out, lse, q, kc, vc, table, [3000] * 4, causal=False, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity,merged", [(1024, True), (8192, False)])
+def test_gpu_decode_scratch_is_reused_and_left_ready(capacity, merged):
+    """A step's partials (and the merge's counters) live in its stream's scratch
+    (``flashtile.kernels.workspace``): steps on one stream reuse it, every step leaves the
+    counters zero, and 200 repeats of a step -- merged by whichever split finishes last, or
+    by the combine kernel at more splits -- are bitwise equal, equal to the step captured in
+    a CUDA graph (merged by the combine kernel), and match the reference."""
+    from flashtile.kernels import decode as kd
+    from flashtile.kernels import workspace
+
+    workspace.clear()
+    q, kc, vc, _ = _case(1, 1, 32, 4, 128, capacity, None, seed=70, dtype=torch.bfloat16, device="cuda")
+    plan = kd.step_plan(q, kc, vc, None, None, None, False, False, False, None, 128 ** -0.5, -1, -1, 0.0, 0, None, "")
+    assert plan.eager.merge_last == merged and plan.num_splits > 1
+    first, first_lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=capacity - 24, return_lse=True)
+    outs = [flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=capacity - 24) for _ in range(200)]
+    torch.cuda.synchronize()
+    assert len(workspace._scratch) == 1
+    held = next(iter(workspace._scratch.values()))
+    assert held.n_floats >= plan.part_numel and not held.counters.any()
+    assert all(torch.equal(out, first) for out in outs)
+    _check(first, first_lse, q, kc, vc, None, [capacity - 24], atol=2e-2)
+    # Captured in a graph, the step merges in the combine kernel: the same bits.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=capacity - 24, return_lse=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, captured_lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=capacity - 24,
+                                                                   return_lse=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, first) and torch.equal(captured_lse, first_lse)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_on_two_streams_keep_their_own_scratch():
+    """Steps issued on two streams at once, each its own inputs: each stream has its own
+    scratch, so neither reads the other's partials or counters."""
+    from flashtile.kernels import workspace
+
+    workspace.clear()
+    cases = [_case(1, 1, 32, 4, 128, 2048, None, seed=71 + i, dtype=torch.bfloat16, device="cuda") for i in range(2)]
+    expected = [flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2000) for q, kc, vc, _ in cases]
+    streams = [torch.cuda.Stream() for _ in cases]
+    results = [[], []]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(100):
+        for (q, kc, vc, _), stream, outs in zip(cases, streams, results):
+            with torch.cuda.stream(stream):
+                outs.append(flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2000))
+    torch.cuda.synchronize()
+    assert len(workspace._scratch) == 3
+    for outs, want in zip(results, expected):
+        assert all(torch.equal(out, want) for out in outs)
 
 
 @pytest.mark.gpu

@@ -9,12 +9,14 @@ program per (batch, head) would leave most SMs idle at small batch.  The cache i
 cut into ``num_splits`` chunks of whole key tiles; each program handles one chunk for one
 (batch, kv head) and *all* query rows of that head's GQA group (``group * seqlen_q`` rows in
 one tile, so each K/V tile is read once for the group), and writes a partial output and
-LSE (with a single split, the final output directly: one launch in all).  A second, small
-kernel merges the partials with the online-softmax rule (the same rule
-as ``flashtile.merging``): one launch instead of the dozen elementwise torch ops the merge
-would take, which matters when the whole decode step lasts a few microseconds.  On Hopper
-the merge is a programmatic dependent launch: it is launched while the split kernel still
-runs and waits (``griddepcontrol.wait``) just before it reads the partials.
+LSE (with a single split, the final output directly: one launch in all).  The partials are
+merged with the online-softmax rule (the same rule as ``flashtile.merging``) by one of two
+kernels, never by the dozen elementwise torch ops the merge would take, which matter when
+the whole decode step lasts a few microseconds: in an eager step of few splits, by the split
+kernel's last program of each query tile to finish (one launch a step); otherwise by a
+second, small kernel, on Hopper a programmatic dependent launch: launched while the split
+kernel still runs, it waits (``griddepcontrol.wait``) just before it reads the partials.
+The partials live in the stream's scratch (``flashtile.kernels.workspace``).
 
 The cache is contiguous ``(batch_cache, seqlen_cache, nheads_k, d)`` (rows of sequence b at
 ``cache_batch_idx[b]``) or paged ``(num_blocks, page_size, nheads_k, d)`` with
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashtile.kernels import workspace
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.online_softmax import LOG2E, online_max, score_mod, score_mod_args
@@ -75,6 +78,14 @@ PROGRAMS_PER_SM_WIDE = 1
 MIN_TILES_PER_SPLIT = 2
 # Programmatic dependent launch of the combine kernel on Hopper (0: an ordinary launch).
 PDL = 1
+# Eager steps of up to this many splits merge them in the split kernel (its last program of
+# each query tile to finish): one launch a step instead of two, which a host-bound eager
+# decoding loop feels (H200 host: 23-27 us a step with one launch).  On the GPU that merge is
+# serial where the combine kernel's programs merge in parallel under a programmatic launch
+# (CUDA graph, batch 1, cache 1k, 8 splits: 271 GB/s against 370; 32 splits at 4k: 604
+# against 1265), so steps captured in a graph, or traced by torch.compile, and steps of more
+# splits keep the combine kernel.
+MERGE_LAST_MAX_SPLITS = 16
 # The knobs in force: these constants, overridden by ``FLASHTILE_DECODE_TUNING``
 # (``"block_n=64,warps=4"``; benchmarks/tune_decode.py sweeps them on a GPU).
 TUNING = register_family("decode", "FLASHTILE_DECODE_TUNING", {
@@ -89,6 +100,8 @@ TUNING = register_family("decode", "FLASHTILE_DECODE_TUNING", {
     "programs_per_sm_wide": (PROGRAMS_PER_SM_WIDE, "the same with 128-key tiles of a contiguous cache"),
     "min_tiles_per_split": (MIN_TILES_PER_SPLIT, "key tiles each split keeps at least"),
     "pdl": (PDL, "1: the combine kernel is a programmatic dependent launch on Hopper"),
+    "merge_last_max_splits": (MERGE_LAST_MAX_SPLITS, "up to this many splits the split kernel merges them itself "
+                              "(0: always the combine kernel)"),
 })
 TUNING_ENV = TUNING.env_var
 knobs = TUNING.current
@@ -223,7 +236,7 @@ def _append_slots(pos, t_ok, b, cache_b, BLOCK_TABLE, stride_bt, stride_btc, PAG
 @triton.jit
 def _decode_split(
     Q, K, V, O_PART, SEQLENS_K, CACHE_BATCH_IDX, BLOCK_TABLE, LEFTPAD, ALIBI, OUT, LSE, K_NEW, V_NEW, COS, SIN,
-    seqlen_k_all, capacity, chunk, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    ARRIVALS, seqlen_k_all, capacity, chunk, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_ab, stride_ob, stride_on, stride_oh, stride_qb, stride_qn, stride_qh, stride_bt,
     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
     stride_cos_p, stride_cos_k, stride_sin_p, stride_sin_k, seqlen_ro, half_rotary,
@@ -233,14 +246,17 @@ def _decode_split(
     BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, DIRECT: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
+    PDL: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr, APPEND: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ROTARY_LOCAL: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NEW: tl.constexpr,
 ):
     """One (sequence, KV head, split): the split's keys against every query row of the head's
     GQA group.  With ``DIRECT`` (one split) the program writes ``OUT`` / ``LSE`` itself;
-    otherwise it leaves a partial output and LSE for :func:`_combine_splits` in ``O_PART``
-    (the outputs, then the LSEs).
+    otherwise it leaves a partial output and LSE in ``O_PART`` (the outputs, then the LSEs)
+    for :func:`_combine_splits`, or with ``MERGE_LAST`` for the last of the tile's splits to
+    finish, which merges them (:func:`_merge_if_last`; ``ARRIVALS``: one zeroed int32 counter
+    per (sequence, KV head, query tile), left zeroed).
 
     With ``HAS_LEFTPAD`` sequence b's keys start at cache position ``LEFTPAD[b]``: the kernel
     works on key indices counted from there (masks and ALiBi aligned to them) and reads
@@ -444,16 +460,80 @@ def _decode_split(
         tl.store(O_PART + o_off, out, mask=row_ok[:, None])
         lse_part = O_PART + (num_splits * batch * seqlen_q * nheads).to(tl.int64) * HEAD_DIM
         tl.store(lse_part + (part.to(tl.int64) * nheads + h) * seqlen_q + i, lse, mask=row_ok)
+        if MERGE_LAST:
+            _merge_if_last(O_PART, lse_part, OUT, LSE, ARRIVALS + pid * tl.num_programs(2) + tl.program_id(2),
+                           num_splits, batch, seqlen_q, nheads, b, i, h, row_ok, offs_d, d_ok, out_off, lse_off,
+                           BLOCK_M, HEAD_DIM, BLOCK_S)
+
+
+@triton.jit
+def _merge_if_last(O_PART, LSE_PART, OUT, LSE, ARRIVAL, num_splits, batch, seqlen_q, nheads, b, i, h, row_ok, offs_d,
+                   d_ok, out_off, lse_off, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The split-KV merge inside the split kernel: each program of a query tile counts itself
+    in at ``ARRIVAL`` once its partial is stored, and the one that arrives last (whichever
+    split it is) merges the tile's ``num_splits <= BLOCK_S`` partials in split order -- the
+    result does not depend on which program it is -- writes ``OUT`` / ``LSE`` and zeroes the
+    counter for the next launch.  What :func:`_combine_splits` computes with ``IN_ORDER``, bit
+    for bit (the same steps per element), without its launch."""
+    # Every thread's partial stores come before the count (a barrier), and the count is an
+    # acquire-release at GPU scope: the last program's loads see every other program's stores.
+    # Those loads go to L2 (``.cg``): this SM's L1 may hold the scratch's lines from an earlier launch.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ARRIVAL, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.store(ARRIVAL, 0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # Unrolled with masks, so the loads of every split are independent and issue together.
+        for s in tl.static_range(BLOCK_S):
+            part = (s * batch + b).to(tl.int64)
+            s_ok = row_ok & (s < num_splits)
+            lse_s = tl.load(LSE_PART + (part * nheads + h) * seqlen_q + i, mask=s_ok, other=float("-inf"),
+                            cache_modifier=".cg")
+            o_s = tl.load(O_PART + ((part * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :],
+                          mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
+            m, alpha, w = _merge_weights(m, lse_s)
+            total = total * alpha + w
+            acc = acc * alpha[:, None] + o_s * w[:, None]
+        empty, lse = _merged_lse(m, total)
+        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, total)[:, None])
+        tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + lse_off, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_weights(m, lse_s):
+    """One split into a running merge of partials, the online-softmax rule over splits: the new
+    running max, the factor of what is merged so far and the split's weight.  A split without
+    a visible key (LSE -inf) weighs 0, and a merge of such splits alone stays empty."""
+    m_new = tl.maximum(m, lse_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp(m - m_safe), tl.exp(lse_s - m_safe)
+
+
+@triton.jit
+def _merged_lse(m, total):
+    """``(empty, lse)`` of a finished merge (running max ``m``, weight ``total``): a row with no
+    visible key in any split is empty (out 0, LSE -inf)."""
+    empty = total == 0.0
+    return empty, tl.where(empty, float("-inf"), tl.where(empty, 0.0, m) + tl.log(tl.where(empty, 1.0, total)))
 
 
 @triton.jit
 def _combine_splits(
     O_PART, OUT, LSE, num_splits, batch, seqlen_q, nheads, headdim,
     stride_ob, stride_on, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, IN_ORDER: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (batch, query row, head): out = sum_s w_s * o_s with w_s = exp(lse_s - lse)
-    (``O_PART``: the split kernel's partial outputs, then their LSEs).
+    """One program per (batch, query row, head): the ``num_splits <= BLOCK_S`` partials
+    (``O_PART``: the split kernel's partial outputs, then their LSEs) merged into one row.
+
+    ``IN_ORDER``: merged split after split with the steps of the split kernel's own merge
+    (:func:`_merge_if_last`), so that a step merged either way gives the same bits; used
+    where eager steps merge in the split kernel.  Otherwise as reductions over the split axis
+    (max, then weights, then a weighted sum), whose latency is shorter at many splits (CUDA
+    graph, batch 1, 32k, 32 splits: 3052 / 3027 GB/s against 2904 / 2920 in order).
 
     With ``PDL`` the launch overlaps the split kernel's tail, and the program waits for that
     kernel's partials before reading them."""
@@ -463,24 +543,40 @@ def _combine_splits(
     h = pid % nheads
     i = (pid // nheads) % seqlen_q
     b = pid // (nheads * seqlen_q)
-    s = tl.arange(0, BLOCK_S).to(tl.int64)
-    s_ok = s < num_splits
     LSE_PART = O_PART + (num_splits * batch * seqlen_q * nheads).to(tl.int64) * HEAD_DIM
-    lse_s = tl.load(LSE_PART + ((s * batch + b) * nheads + h) * seqlen_q + i, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    # Every split empty (no visible key): keep exp() finite and give zeros with LSE -inf.
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)
-    total = tl.sum(w, 0)
-    empty = total == 0.0
-    w = w / tl.where(empty, 1.0, total)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(O_PART + (((s[:, None] * batch + b) * seqlen_q + i) * nheads + h) * HEAD_DIM + offs_d[None, :],
-                mask=s_ok[:, None], other=0.0)
-    out = tl.where(empty, 0.0, tl.sum(o * w[:, None], 0))
+    if IN_ORDER:
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        # Unrolled with masks, so the loads of every split are independent and issue together.
+        for s in tl.static_range(BLOCK_S):
+            part = (s * batch + b).to(tl.int64)
+            s_ok = s < num_splits
+            lse_s = tl.load(LSE_PART + (part * nheads + h) * seqlen_q + i, mask=s_ok, other=float("-inf"))
+            o_s = tl.load(O_PART + ((part * seqlen_q + i) * nheads + h) * HEAD_DIM + offs_d, mask=s_ok, other=0.0)
+            m, alpha, w = _merge_weights(m, lse_s)
+            total = total * alpha + w
+            acc = acc * alpha + o_s * w
+        empty, lse = _merged_lse(m, total)
+        out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, total))
+    else:
+        s = tl.arange(0, BLOCK_S).to(tl.int64)
+        s_ok = s < num_splits
+        lse_s = tl.load(LSE_PART + ((s * batch + b) * nheads + h) * seqlen_q + i, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse_s, 0)
+        # Every split empty (no visible key): keep exp() finite and give zeros with LSE -inf.
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse_s - m_safe)
+        total = tl.sum(w, 0)
+        empty = total == 0.0
+        w = w / tl.where(empty, 1.0, total)
+        o = tl.load(O_PART + (((s[:, None] * batch + b) * seqlen_q + i) * nheads + h) * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None], other=0.0)
+        out = tl.where(empty, 0.0, tl.sum(o * w[:, None], 0))
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
     out_off = b.to(tl.int64) * stride_ob + i.to(tl.int64) * stride_on + h.to(tl.int64) * stride_oh
     tl.store(OUT + out_off + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < headdim)
-    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
     tl.store(LSE + (b.to(tl.int64) * nheads + h) * seqlen_q + i, lse)
 
 
@@ -671,63 +767,94 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+class _Merge:
+    """How a plan's launches merge the splits -- in the split kernel (``merge_last``) or by the
+    combine kernel -- with the options and bound launchers of that way."""
+
+    __slots__ = ("merge_last", "n_counters", "options", "combine_options", "split_launch", "sized_launch",
+                 "combine_launch")
+
+    def __init__(self, merge_last: bool, n_counters: int, options: dict, combine_options: dict):
+        self.merge_last, self.n_counters = merge_last, n_counters
+        self.options, self.combine_options = options, combine_options
+        self.split_launch = self.sized_launch = self.combine_launch = None
+
+
 class _SplitPlan:
     """What one decoding step launches for one key: see its construction in :func:`_split_plan`
-    and :meth:`run`."""
+    and :meth:`run`.  ``eager`` / ``graph``: how the splits merge in an eager launch and in one
+    captured into a CUDA graph or traced by torch.compile (the same object when they agree)."""
 
-    __slots__ = ("grid", "options", "tail", "direct", "out_shape", "lse_shape", "part_numel", "dtype",
-                 "device", "has_seqlens", "combine_grid", "combine_options", "combine_tail", "split_launch",
-                 "sized_launch", "combine_launch", "num_splits", "block_n")
+    __slots__ = ("grid", "tail", "direct", "eager", "graph", "scratch", "out_shape", "lse_shape", "part_numel",
+                 "lse_numel", "dtype", "device", "has_seqlens", "combine_grid", "combine_tail", "num_splits", "block_n")
 
     def run(self, q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, leftpad, alibi_slopes, k_new=None,
-            v_new=None, cos=None, sin=None, bound=True, sized=None):
+            v_new=None, cos=None, sin=None, bound=True, sized=None, need_lse=True):
         """``(out, lse)`` of the step; index tensors as the kernel reads them (contiguous, a
         block table's columns at stride 1).  ``bound``: through the bound launchers (not
         while torch.compile traces).  ``sized``: the call's own capacity, chunk and K and V
-        strides (``_SPLIT_SIZED`` after the length), instead of the plan's."""
+        strides (``_SPLIT_SIZED`` after the length), instead of the plan's.  ``need_lse``
+        False: ``lse`` is None (the kernel writes it to scratch)."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        # The partials, (splits, batch, seqlen_q, nheads, HEAD_DIM) outputs then (splits, batch,
-        # nheads, seqlen_q) LSEs, in one float32 buffer (the kernels find the LSEs after the
-        # outputs); with one split the program writes out and lse itself.
-        part = None if self.direct else torch.empty(self.part_numel, dtype=torch.float32, device=self.device)
+        capturing = bound and self.scratch and workspace.capturing()
+        way = self.graph if capturing or not bound else self.eager
+        # The partials -- (splits, batch, seqlen_q, nheads, HEAD_DIM) outputs then (splits,
+        # batch, nheads, seqlen_q) LSEs in one float32 buffer, the kernels finding the LSEs
+        # after the outputs -- the merge's counters and an unwanted LSE go to the stream's
+        # scratch on a GPU (``flashtile.kernels.workspace``): dead once the step is done.
+        held = None
+        if bound and self.scratch and not (self.direct and need_lse):
+            held = workspace.scratch(self.device, self.part_numel, way.n_counters, 0 if need_lse else self.lse_numel,
+                                     capturing)
+        if need_lse or held is None:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        else:
+            lse = held.sink
+        if self.direct:  # one split: the program writes out and lse itself
+            part = counters = None
+        elif held is not None:
+            part, counters = held.floats, (held.counters if way.merge_last else None)
+        else:
+            part = torch.empty(self.part_numel, dtype=torch.float32, device=self.device)
+            counters = torch.zeros(way.n_counters, dtype=torch.int32, device=self.device) if way.merge_last else None
         # Pointer arguments the kernel does not read (behind a constexpr flag): ``None``, which
         # Triton makes a constexpr and the launch layer keys by identity (fewer tensors to
         # classify per call); a tensor while torch.compile traces.
         ph = lse if not bound else None
-        if part is None and not bound:
-            part = lse
+        if not bound:
+            part = lse if part is None else part
+            counters = lse if counters is None else counters
         args = (q, k_cache, v_cache, part, seqlens_k if self.has_seqlens else ph,
                 ph if cache_batch_idx is None else cache_batch_idx, ph if block_table is None else block_table,
                 ph if leftpad is None else leftpad, ph if alibi_slopes is None else alibi_slopes, out, lse,
                 ph if k_new is None else k_new, ph if v_new is None else v_new, ph if cos is None else cos,
-                ph if sin is None else sin, 0 if self.has_seqlens else seqlens_k)
+                ph if sin is None else sin, counters, 0 if self.has_seqlens else seqlens_k)
+        combine = not (self.direct or way.merge_last)
         if not bound:
             tail = self.tail if sized is None else sized + self.tail[len(sized):]
-            launch(_decode_split, self.grid, args + tail, self.options, dynamic=_SPLIT_DYNAMIC)
-            if not self.direct:
-                launch(_combine_splits, self.combine_grid, (part, out, lse) + self.combine_tail,
-                       self.combine_options)
-            return out, lse
+            launch(_decode_split, self.grid, args + tail, way.options, dynamic=_SPLIT_DYNAMIC)
+            if combine:
+                launch(_combine_splits, self.combine_grid, (part, out, lse) + self.combine_tail, way.combine_options)
+            return out, (lse if need_lse else None)
         if sized is None:
-            split = self.split_launch
+            split = way.split_launch
             if split is None or split.kernel is not _decode_split:
-                split = self.split_launch = bind(_decode_split, self.grid, self.options, args + self.tail,
-                                                 _SPLIT_DYNAMIC, tail_from=len(args))
+                split = way.split_launch = bind(_decode_split, self.grid, way.options, args + self.tail,
+                                                _SPLIT_DYNAMIC, tail_from=len(args))
         else:
             args += sized
-            split = self.sized_launch
+            split = way.sized_launch
             if split is None or split.kernel is not _decode_split:
-                split = self.sized_launch = bind(_decode_split, self.grid, self.options,
-                                                 args + self.tail[len(sized):], _SPLIT_SIZED, tail_from=len(args))
+                split = way.sized_launch = bind(_decode_split, self.grid, way.options,
+                                                args + self.tail[len(sized):], _SPLIT_SIZED, tail_from=len(args))
         split(args)
-        if not self.direct:
-            combine = self.combine_launch
-            if combine is None or combine.kernel is not _combine_splits:
-                combine = self.combine_launch = bind(_combine_splits, self.combine_grid, self.combine_options,
-                                                     (part, out, lse) + self.combine_tail, tail_from=3)
-            combine((part, out, lse))
-        return out, lse
+        if combine:
+            merge = way.combine_launch
+            if merge is None or merge.kernel is not _combine_splits:
+                merge = way.combine_launch = bind(_combine_splits, self.combine_grid, way.combine_options,
+                                                  (part, out, lse) + self.combine_tail, tail_from=3)
+            merge((part, out, lse))
+        return out, (lse if need_lse else None)
 
 
 def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
@@ -755,13 +882,13 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     plan.out_shape = (batch, seqlen_q, nheads, d)
     plan.lse_shape = (batch, nheads, seqlen_q)
     plan.dtype, plan.device, plan.has_seqlens = q.dtype, q.device, has_seqlens
-    plan.split_launch = plan.sized_launch = plan.combine_launch = None
     plan.num_splits, plan.block_n = num_splits, block_n
     # The output is allocated contiguous at every call: its strides are those of a fresh tensor
     # (torch's rule: each the product of the later sizes, a size 0 counted as 1).
     out_strides = _contiguous_strides(plan.out_shape)
-    plan.part_numel = num_splits * batch * seqlen_q * nheads * (hd + 1)
-    plan.direct = direct
+    plan.part_numel = 0 if direct else num_splits * batch * seqlen_q * nheads * (hd + 1)
+    plan.lse_numel = batch * nheads * seqlen_q
+    plan.direct, plan.scratch = direct, q.is_cuda
     mods = score_mod_args(softmax_scale, softcap, alibi_slopes, q)
     plan.grid = (batch * nheads_k, num_splits, cdiv(group * seqlen_q, cfg.block_m))
     k_new, v_new = new if new is not None else (None, None)
@@ -777,13 +904,14 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
         seqlen_q, nheads_k, group, num_splits, seqlen_new, k_cache.shape[0], softmax_scale * LOG2E, window_left,
         window_right, mods["softcap_scale"], mods["softcap_log2"])
     block_t = min(64, max(1, next_power_of_2(seqlen_new)))
-    plan.options = dict(
+    options = dict(
         HAS_SEQLENS=has_seqlens, headdim=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0,
         HAS_SOFTCAP=mods["HAS_SOFTCAP"], HAS_ALIBI=mods["HAS_ALIBI"],
         PAGED=paged, PAGE_SIZE=page_size, HAS_BATCH_IDX=has_batch_idx,
-        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, HAS_LEFTPAD=has_leftpad,
-        APPEND=new is not None, ROTARY=cos is not None, INTERLEAVED=interleaved, ROTARY_LOCAL=local,
+        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, DIRECT=direct, MERGE_LAST=False, BLOCK_S=1,
+        HAS_LEFTPAD=has_leftpad, APPEND=new is not None, ROTARY=cos is not None, INTERLEAVED=interleaved,
+        ROTARY_LOCAL=local,
         BLOCK_B=max(2, next_power_of_2(batch)) if new is not None else 1,
         BLOCK_P=max(2, next_power_of_2(cdiv(seqlen_new - 1, page_size) + 1)) if new is not None else 1,
         BLOCK_T=block_t if new is not None else 1,
@@ -792,8 +920,16 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     )
     plan.combine_grid = (batch * seqlen_q * nheads,)
     plan.combine_tail = (num_splits, batch, seqlen_q, nheads, d, *out_strides[:3])
-    plan.combine_options = dict(HEAD_DIM=hd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
-                                num_warps=1 if INTERPRET else 4)
+    merge_last = not direct and num_splits <= knob["merge_last_max_splits"]
+    block_s = max(2, next_power_of_2(num_splits))
+    combine_options = dict(HEAD_DIM=hd, BLOCK_S=block_s, IN_ORDER=merge_last, PDL=pdl, launch_pdl=pdl,
+                           num_warps=1 if INTERPRET else 4)
+    plan.graph = plan.eager = _Merge(False, 0, options, combine_options)
+    if merge_last:
+        # Eager launches of few splits merge in the split kernel (see MERGE_LAST_MAX_SPLITS),
+        # with the same bits as the combine kernel's merge in order.
+        merged = dict(options, PDL=False, MERGE_LAST=True, BLOCK_S=block_s)
+        plan.eager = _Merge(True, batch * nheads_k * plan.grid[2], merged, combine_options)
     return plan
 
 
@@ -880,13 +1016,11 @@ def decode(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax
     tensor to fill: a decoding step is short enough that one launch fewer shows); the kernel
     adds ``seqlen_new`` (keys an earlier :func:`append_kv` appended) to them, so the caller
     needs no tensor op for the updated lengths.  ``cache_batch_idx``, ``block_table``,
-    ``cache_leftpad``: int32 or int64, read as they are.  One split is one launch; more add
-    the combine kernel, launched programmatically dependent on Hopper.  Both go through the
-    launch layer (:mod:`flashtile.kernels.launch`: compiled once per specialisation class,
-    then launched directly), with the launch plan of this call's key (see ``_MAX_PLANS``).
-    (Merging inside the split kernel -- the last split of each (sequence, KV head) to
-    finish merging them all -- measured slower: batch 1, 32k, 32 splits: 2.4 TB/s against
-    3.1.)"""
+    ``cache_leftpad``: int32 or int64, read as they are.  One split is one launch; more
+    merge in the split kernel (eager, up to ``merge_last_max_splits``) or add the combine
+    kernel, launched programmatically dependent on Hopper.  Launches go through the launch
+    layer (:mod:`flashtile.kernels.launch`: compiled once per specialisation class, then
+    launched directly), with the launch plan of this call's key (see ``_MAX_PLANS``)."""
     # The kernel reads entry b of these at offset b (block-table rows with their own stride,
     # columns at stride 1): strided views are copied first (a no-op for contiguous ones).
     has_seqlens = isinstance(seqlens_k, torch.Tensor)
