@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import validation
+from flashtile.devices import on_input_device
 
 __all__ = ["E4M3_MAX", "flash_attn_fp8_func", "quantize_fp8", "transpose_v"]
 
@@ -29,6 +30,7 @@ E4M3_MAX = 448.0
 HOST_TRANSPOSE_MIN_ROWS = 2048
 
 
+@on_input_device
 def transpose_v(v: torch.Tensor) -> torch.Tensor:
     """``(batch, seqlen_k, nheads_k, headdim)`` -> ``(batch, nheads_k, headdim, seqlen_k)``, keys contiguous.
 
@@ -73,6 +75,7 @@ def _dequantize(x: torch.Tensor, descale: torch.Tensor, heads_per_descale: int) 
     return x.to(torch.float32) * descale
 
 
+@on_input_device
 def flash_attn_fp8_func(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.devices import on_input_device
 from flashtile.dropout import counters_per_row, next_seed_offset
 from flashtile.kernels.engine import engine_setting
 from flashtile.ops import attention as _ops
@@ -20,6 +21,7 @@ from flashtile.validation import (
 )
 
 
+@on_input_device
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,6 +163,7 @@ def _checked_func_arguments(q, k, v, dropout_p, softmax_scale, causal, window_si
     return checked
 
 
+@on_input_device
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,

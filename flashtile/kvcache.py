@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import cpu
+from flashtile.devices import on_input_device
 from flashtile.validation import (
     check_kvcache_arguments,
     check_kvcache_index_values,
@@ -218,6 +219,7 @@ def _step_triton(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bloc
                     cos, sin, bound=not compiling, need_lse=need_lse)
 
 
+@on_input_device
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.devices import on_input_device
 from flashtile.validation.rotary import check_rotary_arguments
 
 
@@ -94,6 +95,7 @@ class _ApplyRotaryEmb(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None
 
 
+@on_input_device
 def apply_rotary_emb(
     x: torch.Tensor,
     cos: torch.Tensor,

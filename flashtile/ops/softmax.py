@@ -16,6 +16,7 @@ import os
 import torch
 
 from flashtile import validation
+from flashtile.devices import on_input_device
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -91,6 +92,7 @@ def _apply(x, dim, scale, mask, log):
     return _Softmax.apply(x, dim, scale, mask, log)
 
 
+@on_input_device
 def softmax(x: torch.Tensor, dim: int = -1, *, scale: float | None = None, mask: torch.Tensor | None = None):
     """``softmax(x * scale + mask)`` along ``dim``, computed in float32, returned in x's dtype.
 
@@ -102,6 +104,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, scale: float | None = None, mask:
     return _apply(x, dim, scale, mask, log=False)
 
 
+@on_input_device
 def log_softmax(x: torch.Tensor, dim: int = -1, *, scale: float | None = None, mask: torch.Tensor | None = None):
     """``log_softmax(x * scale + mask)`` along ``dim``; an empty row gives ``-inf``."""
     return _apply(x, dim, scale, mask, log=True)
