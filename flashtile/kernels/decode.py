@@ -39,7 +39,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashtile.kernels import workspace
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask
-from flashtile.kernels.online_softmax import LOG2E, online_max, score_mod, score_mod_args
+from flashtile.kernels.online_softmax import (
+    LOG2E,
+    merge_state_weights,
+    merged_state_lse,
+    online_max,
+    score_mod,
+    score_mod_args,
+)
 from flashtile.kernels.runtime import (
     INTERPRET,
     cdiv,
@@ -493,31 +500,13 @@ def _merge_if_last(O_PART, LSE_PART, OUT, LSE, ARRIVAL, num_splits, batch, seqle
                             cache_modifier=".cg")
             o_s = tl.load(O_PART + ((part * seqlen_q + i[:, None]) * nheads + h[:, None]) * HEAD_DIM + offs_d[None, :],
                           mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
-            m, alpha, w = _merge_weights(m, lse_s)
+            m, alpha, w = merge_state_weights(m, lse_s)
             total = total * alpha + w
             acc = acc * alpha[:, None] + o_s * w[:, None]
-        empty, lse = _merged_lse(m, total)
+        empty, lse = merged_state_lse(m, total)
         out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, total)[:, None])
         tl.store(OUT + out_off, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE + lse_off, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_weights(m, lse_s):
-    """One split into a running merge of partials, the online-softmax rule over splits: the new
-    running max, the factor of what is merged so far and the split's weight.  A split without
-    a visible key (LSE -inf) weighs 0, and a merge of such splits alone stays empty."""
-    m_new = tl.maximum(m, lse_s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, tl.exp(m - m_safe), tl.exp(lse_s - m_safe)
-
-
-@triton.jit
-def _merged_lse(m, total):
-    """``(empty, lse)`` of a finished merge (running max ``m``, weight ``total``): a row with no
-    visible key in any split is empty (out 0, LSE -inf)."""
-    empty = total == 0.0
-    return empty, tl.where(empty, float("-inf"), tl.where(empty, 0.0, m) + tl.log(tl.where(empty, 1.0, total)))
 
 
 @triton.jit
@@ -555,10 +544,10 @@ def _combine_splits(
             s_ok = s < num_splits
             lse_s = tl.load(LSE_PART + (part * nheads + h) * seqlen_q + i, mask=s_ok, other=float("-inf"))
             o_s = tl.load(O_PART + ((part * seqlen_q + i) * nheads + h) * HEAD_DIM + offs_d, mask=s_ok, other=0.0)
-            m, alpha, w = _merge_weights(m, lse_s)
+            m, alpha, w = merge_state_weights(m, lse_s)
             total = total * alpha + w
             acc = acc * alpha + o_s * w
-        empty, lse = _merged_lse(m, total)
+        empty, lse = merged_state_lse(m, total)
         out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, total))
     else:
         s = tl.arange(0, BLOCK_S).to(tl.int64)

@@ -5,7 +5,8 @@ softmax runs on the hardware's native ``exp2`` with the scale folded into one FM
 ``score_mod`` applies the optional softcap and ALiBi, ``online_max`` keeps the running row
 max (rows with nothing visible yet subtract 0, never ``-inf - -inf``), ``recompute_p``
 rebuilds the backward's probabilities from the saved LSE, ``softcap_grad`` is the chain rule
-through the softcap.  ``score_mod_args`` turns ``softcap`` / ``alibi_slopes`` into the kernel
+through the softcap; ``merge_state_weights`` / ``merged_state_lse`` merge whole partial
+results (output, LSE) one after another.  ``score_mod_args`` turns ``softcap`` / ``alibi_slopes`` into the kernel
 arguments that drive them.
 
 The attention kernels build two bundles once and hand them to every run of tiles:
@@ -66,6 +67,25 @@ def online_max(qk, m_i, scale, MASKED: tl.constexpr):
     if MASKED:
         return m_ij, tl.where(m_ij == float("-inf"), 0.0, m_ij)
     return m_ij, m_ij
+
+
+@triton.jit
+def merge_state_weights(m, lse_s):
+    """One partial result (its natural-log LSE ``lse_s``) into a running merge of partials, the
+    online-softmax rule over whole blocks (split-KV decoding): the new running max, the factor
+    of what is merged so far and the partial's weight.  A partial without a visible key (LSE
+    -inf) weighs 0, and a merge of such partials alone stays empty."""
+    m_new = tl.maximum(m, lse_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp(m - m_safe), tl.exp(lse_s - m_safe)
+
+
+@triton.jit
+def merged_state_lse(m, total):
+    """``(empty, lse)`` of a finished merge (running max ``m``, weight ``total``): a row with no
+    visible key in any split is empty (out 0, LSE -inf)."""
+    empty = total == 0.0
+    return empty, tl.where(empty, float("-inf"), tl.where(empty, 0.0, m) + tl.log(tl.where(empty, 1.0, total)))
 
 
 @triton.jit
