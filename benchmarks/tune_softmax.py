@@ -71,15 +71,25 @@ def _bench(fn, rep_ms):
 
 def _plans(ks, m, n, elt, config):
     """The forward and backward plans of an (m, n) problem under a tuning string."""
+    from flashtile.kernels.softmax.planning import staged_plan
+
     os.environ[ks.TUNING_ENV] = config
     try:
-        return (ks.plan(m, n, elem_bytes=elt, reread_bytes=n * elt),
+        device = 0 if DEVICE == "cuda" else None
+        fwd = staged_plan(m, n, elt, 1, device) if device is not None else None
+        bwd = staged_plan(m, n, elt, 2, device) if device is not None else None
+        # (contiguous rows of 2^28 elements: the shared-memory path takes what its plan takes)
+        return (dict(strategy="staged", plan=fwd) if fwd else ks.plan(m, n, elem_bytes=elt, reread_bytes=n * elt),
+                dict(strategy="staged", plan=bwd) if bwd else
                 ks.plan(m, n, elem_bytes=elt, reread_bytes=2 * n * elt, backward=True))
     finally:
         os.environ.pop(ks.TUNING_ENV, None)
 
 
 def _describe(p):
+    if p["strategy"] == "staged":
+        sp = p["plan"]
+        return f"staged s{sp.splits} g{sp.groups} {sp.chunk_boxes}x16KB b{sp.buffers}"
     if p["strategy"] == "registers":
         return f"registers w{p['num_warps']}"
     if p["strategy"] == "cooperative":

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import sys
 
+import torch
 import triton
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
@@ -23,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from flashtile.kernels.hopper import attention_bwd as bwd
 from flashtile.kernels.hopper import attention_fp8 as fp8
 from flashtile.kernels.hopper import attention_fwd as fwd
+from flashtile.kernels.hopper import staged_softmax as staged
 from flashtile.kernels.sass import TARGET, report
 HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # Spilled bytes (stores, and the stack frame) tolerated per (kernel, head dim); anything beyond
@@ -139,9 +141,37 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 
+def compile_softmax(direction: str, dtype: str = "bf16", log: bool = False, chunk_boxes: int = 6, buffers: int = 2):
+    """The shared-memory softmax kernel (``staged_softmax``, ``direction`` ``"forward"`` or
+    ``"backward"``) as it launches with ``chunk_boxes`` boxes a chunk in ``buffers`` buffers."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    box = f"tensordesc<{dtype}[1, {staged.BOX_ROWS}, {staged.inner_cols(torch_dtype.itemsize)}]," \
+          f"{staged.box_layout(torch_dtype)!r}>"
+    ints = {name: "i32" for name in ("n_rows", "vrows", "groups", "splits")}
+    if direction == "forward":
+        fn = staged.staged_softmax_fwd_kernel
+        sig = {"X_desc": box, "Y_desc": box, "M_PART": "*fp32", "L_PART": "*fp32", "ARRIVED": "*i32", **ints,
+               "scale_log2": "fp32"}
+    else:
+        fn = staged.staged_softmax_bwd_kernel
+        sig = {"Y_desc": box, "G_desc": box, "DX_desc": box, "S_PART": "*fp32", "ARRIVED": "*i32", **ints,
+               "scale": "fp32"}
+    consts = dict(LOG=log, CHUNK_BOXES=chunk_boxes, BUFFERS=buffers, SPLITS_P2=128)
+    sig.update({name: "constexpr" for name in consts})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=TARGET, options={"num_warps": staged.NUM_WARPS})
+
+
+def uses_wgmma(variant: dict) -> bool:
+    """The attention kernels must keep their wgmma; the softmax kernels have none."""
+    return variant["kernel"] != "softmax"
+
+
 def spill_budget(variant: dict) -> int:
     """Spilled bytes tolerated for one ``variants()`` entry: ``SPILL_STORE_BUDGET``, or
     ``SCORE_MOD_SPILL_BUDGET`` for a forward with a softcap or ALiBi."""
+    if variant["kernel"] == "softmax":
+        return 0
     if variant.get("softcap") or variant.get("alibi"):
         return SCORE_MOD_SPILL_BUDGET[variant["hd"]]
     return SPILL_STORE_BUDGET[variant["kernel"], variant["hd"]]
@@ -151,7 +181,8 @@ def within_budget(rep: dict, variant: dict) -> bool:
     """Spills within ``spill_budget``, wgmma present and not serialised by ptxas, shared
     memory that fits an SM."""
     budget = spill_budget(variant)
-    return (rep["spill_stores"] <= budget and rep["stack"] <= budget and rep["HGMMA"] + rep["QGMMA"] > 0
+    return (rep["spill_stores"] <= budget and rep["stack"] <= budget
+            and (rep["HGMMA"] + rep["QGMMA"] > 0 or not uses_wgmma(variant))
             and not rep["wgmma_serialized"] and rep["shared"] <= 232448)
 
 
@@ -202,11 +233,23 @@ def variants():
     for hd in HEAD_DIMS["backward"]:
         yield dict(kernel="backward", hd=hd, causal=False, window=False, varlen=False, dtype="bf16",
                    deterministic=True, **{name: 1 for name in ONE_ROW_CONSTANTS})
+    # The shared-memory softmax: every chunk size its plans give in bf16 (two buffers up to half
+    # the slots, one beyond), and each dtype and log-softmax at the largest of each.
+    for direction, tensors in (("forward", 1), ("backward", 2)):
+        half = staged.SLOTS // (2 * tensors)
+        for chunk_boxes in range(1, 2 * half + 1):
+            yield dict(kernel="softmax", direction=direction, dtype="bf16", log=False, chunk_boxes=chunk_boxes,
+                       buffers=2 if chunk_boxes <= half else 1)
+        for dtype, log, chunk_boxes in itertools.product(("bf16", "fp16", "fp32"), (False, True), (half, 2 * half)):
+            if (dtype, log) != ("bf16", False):
+                yield dict(kernel="softmax", direction=direction, dtype=dtype, log=log, chunk_boxes=chunk_boxes,
+                           buffers=2 if chunk_boxes == half else 1)
 
 
 def compile_variant(kernel: str, **shape):
     """``compile_forward``, ``compile_backward`` or ``compile_fp8`` of one ``variants()`` entry."""
-    return {"forward": compile_forward, "backward": compile_backward, "fp8": compile_fp8}[kernel](**shape)
+    return {"forward": compile_forward, "backward": compile_backward, "fp8": compile_fp8,
+            "softmax": compile_softmax}[kernel](**shape)
 
 
 def _reported(variant: dict) -> tuple[dict, dict]:

@@ -7,7 +7,10 @@ when it does not, on whether its second read can be served by the L2 cache: rows
 ``COOPERATIVE_MAX`` / ``COOP_BWD_MAX``, are held in registers by several cooperating
 programs (``cooperative.py``; at most 4M forward / 2M backward on an H200, by default the
 backward up to 256k); the rest are streamed twice (``streaming.py``), by persistent programs
-when there are rows for every SM (fused) and by row chunks otherwise (split).
+when there are rows for every SM (fused) and by row chunks otherwise (split).  On Hopper,
+unmasked rows of at least ``STAGED_MIN_BYTES`` whose layout the TMA engine can read are held
+in shared memory instead, by cooperating programs (``staged_plan``,
+``flashtile/kernels/hopper/staged_softmax.py``; 1 read + 1 write).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from flashtile.kernels.runtime import INTERPRET, cdiv, next_power_of_2, sm_count
 from flashtile.kernels.softmax.tuning import MAX_SPLITS, knobs
 
 
-STRATEGIES = ("registers", "cooperative", "fused", "split")
+STRATEGIES = ("registers", "cooperative", "fused", "split", "staged")
 
 
 def _floor_pow2(v: float) -> float:
@@ -34,6 +37,26 @@ def _sms() -> int:
 def streaming_strategy(n_rows: int) -> str:
     """The two-pass path for rows that are not held on chip: fused when every SM gets rows."""
     return "fused" if n_rows >= knobs()["fused_min_rows_per_sm"] * _sms() else "split"
+
+
+def staged_plan(n_rows: int, n_cols: int, elem_bytes: int, tensors: int, device_index: int,
+                strategy: str | None = None):
+    """The shared-memory path's launch shape (``staged_softmax.StagedPlan``) for rows that the
+    caller found TMA-readable, or None where it does not run: another strategy asked for,
+    the knob off, rows below ``staged_min_bytes`` (unless ``strategy="staged"``), no Gluon on
+    this device, or rows it cannot stage (``staged_softmax.plan``)."""
+    if strategy not in (None, "staged") or INTERPRET:
+        return None
+    k = knobs()
+    if strategy is None and (not k["staged"] or n_cols * elem_bytes < k["staged_min_bytes"]):
+        return None
+    from flashtile.kernels.engine import gluon_device_reason
+
+    if gluon_device_reason(device_index) is not None:
+        return None
+    from flashtile.kernels.hopper import staged_softmax
+
+    return staged_softmax.plan(n_rows, n_cols, elem_bytes, tensors, sm_count(device_index))
 
 
 def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | None = None,
@@ -70,6 +93,8 @@ def plan(n_rows: int, n_cols: int, strategy: str | None = None, block: int | Non
             strategy = streaming_strategy(n_rows)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
+    if strategy == "staged":  # launch.py runs it where staged_plan allows; here it did not
+        raise ValueError("strategy 'staged' runs on Hopper only, for unmasked rows that the TMA engine can read")
     if strategy == "cooperative":
         if INTERPRET:
             chunk, num_warps = block or 64, 1

@@ -82,6 +82,13 @@ COOP_PACK = 1
 # rate against 0.60 uncapped; fp32, which does not spill at 64, 0.78 against 0.72).
 COOP_MAXNREG = 0
 COOP_FWD_MAXNREG = 64
+# Hopper, STAGED = 1: unmasked rows of at least STAGED_MIN_BYTES that the TMA engine can
+# read (16-byte aligned, whole 128-byte inner rows) are held in shared memory by cooperating
+# programs (flashtile/kernels/hopper/staged_softmax.py) instead of taking the paths above.
+# Off by default: its GPU tests (tests/kernels/hopper/test_staged_softmax.py) and a
+# tune_softmax.py run against the paths above have not run yet.
+STAGED = 0
+STAGED_MIN_BYTES = 65536
 # L2 eviction hints on the streaming kernels (1) or none (0).
 EVICTION_HINTS = 1
 # num_stages of the streaming loops (tl.range); 0 = the compiler's default (no pipelining
@@ -115,6 +122,8 @@ KNOBS = register_family("softmax", "FLASHTILE_SOFTMAX_TUNING", {
     "coop_maxnreg": (COOP_MAXNREG, "cooperative kernels: register cap (0: none unless the chunks would not all be "
                      "resident, then 64)"),
     "coop_fwd_maxnreg": (COOP_FWD_MAXNREG, "cooperative forward: its own register cap (0: coop_maxnreg)"),
+    "staged": (STAGED, "Hopper: hold long unmasked rows in shared memory (1) or not (0)"),
+    "staged_min_bytes": (STAGED_MIN_BYTES, "Hopper: the shared-memory path for rows of at least this many bytes"),
     "evict": (EVICTION_HINTS, "L2 eviction hints on the streaming kernels (1) or none (0)"),
     "stages": (LOOP_STAGES, "num_stages of the streaming loops (0: the compiler's default)"),
 })

@@ -1,0 +1,139 @@
+"""The shared-memory softmax for long rows (``flashtile/kernels/hopper/staged_softmax.py``) against the
+float64 oracle, on an sm_90 GPU; its launch shapes (``staged_softmax.plan``) anywhere.
+
+Every GPU test runs ``flashtile.softmax`` / ``log_softmax`` forward and backward with the path's
+threshold at 0 and checks, by counting the path's launches, that both directions ran on it.
+The tolerance is the softmax tests' rule (``tests/softmax_oracle.py``).
+"""
+
+import pytest
+import torch
+
+from helpers import is_hopper
+from softmax_oracle import BF16, F16, F32, NAN, NEG_INF, POS_INF, check_fwd_bwd, randn
+
+import flashtile
+from flashtile.kernels import softmax as ks
+
+staged_softmax = pytest.importorskip("flashtile.kernels.hopper.staged_softmax")
+
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("n_rows,n_cols,elem,tensors", [
+    (1, 65536, 2, 1), (300, 65536, 2, 1), (64, 262144, 2, 1), (1, 4_194_304, 2, 1), (64, 4_194_304, 4, 1),
+    (7, 64 * 1001, 2, 1), (300, 65536, 2, 2), (64, 1_048_576, 4, 2), (2, 4_194_304, 2, 2), (3, 32 * 77, 4, 1),
+])
+def test_plan_holds_every_row_within_shared_memory(n_rows, n_cols, elem, tensors):
+    p = staged_softmax.plan(n_rows, n_cols, elem, tensors, H200_SMS)
+    row_boxes = -(-n_cols // staged_softmax.inner_cols(elem) // staged_softmax.BOX_ROWS)
+    assert p is not None and p.programs <= H200_SMS and p.groups <= n_rows
+    assert p.buffers * p.chunk_boxes * tensors <= staged_softmax.SLOTS
+    # Every chunk program has at least one box of the row, and the chunks cover it.
+    assert (p.splits - 1) * p.chunk_boxes < row_boxes <= p.splits * p.chunk_boxes
+    # Two buffers whenever a row's chunks fit in half of the programs' slots.
+    assert p.buffers == (2 if -(-row_boxes // (staged_softmax.SLOTS // (2 * tensors))) <= H200_SMS else 1)
+
+
+def test_plan_fills_the_gpu_and_refuses_what_cannot_be_staged():
+    # 8 boxes a row (64k bf16): two chunks of 4 boxes, 66 rows in flight -> every SM busy.
+    p = staged_softmax.plan(1000, 65536, 2, 1, H200_SMS)
+    assert (p.splits, p.chunk_boxes, p.groups, p.buffers) == (2, 4, 66, 2)
+    # One row: as many chunk programs as it has boxes.
+    assert staged_softmax.plan(1, 65536, 2, 1, H200_SMS).programs == 8
+    assert staged_softmax.plan(5, 64 * 1000 + 8, 2, 1, H200_SMS) is None  # not whole 128-byte inner rows
+    assert staged_softmax.plan(1, 8 * 2**20, 4, 1, H200_SMS) is None  # 32 MB: more than 132 x 192 KB
+    assert staged_softmax.plan(1, 4 * 2**20, 4, 2, H200_SMS) is None  # y and dy: 32 MB
+
+
+@pytest.fixture
+def staged_calls(monkeypatch):
+    """The path at every row length, and a count of its forward and backward launches."""
+    monkeypatch.setenv(ks.TUNING_ENV, "staged=1,staged_min_bytes=0")
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(staged_softmax, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(staged_softmax, name, counted)
+    return calls
+
+
+def _check_staged(x, calls, scale=None, log=False):
+    before = dict(calls)
+    y, dx = check_fwd_bwd(x, scale=scale, log=log)
+    assert calls["forward"] == before["forward"] + 1 and calls["backward"] == before["backward"] + 1
+    return y, dx
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
+@pytest.mark.parametrize("rows,cols", [
+    (1, 2048),            # one box, one program
+    (5, 64 * 1001),       # the last box of each row partly past its end
+    (300, 65536),         # many rounds per group: the partials' two slots alternate
+    (3, 262144),
+    (1, 1_048_576),       # one row over many programs
+], ids=str)
+def test_staged_matches_oracle(rows, cols, dtype, log, staged_calls):
+    x = randn(rows, cols, dtype=dtype, device="cuda", seed=cols + rows, std=2.0)
+    _check_staged(x, staged_calls, scale=0.9, log=log)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_staged_one_buffer_rows(dtype, staged_calls):
+    """Rows too long for two buffers: 16 MB fp32 forward (bf16: the backward's y and dy)."""
+    cols = 4_194_304
+    x = randn(2, cols, dtype=dtype, device="cuda", seed=11)
+    tensors = 1 if dtype == F32 else 2
+    assert staged_softmax.plan(2, cols, x.element_size(), tensors, torch.cuda.get_device_properties(0)
+                               .multi_processor_count).buffers == 1
+    _check_staged(x, staged_calls)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_staged_non_finite_rows_and_scales(log, staged_calls):
+    rows, cols = 8, 64 * 1001
+    x = randn(rows, cols, dtype=F32, device="cuda", seed=5, std=3.0)
+    x[0] = 1000.0                      # a large common value
+    x[1, ::2], x[1, 1::2] = 1000.0, -1000.0
+    x[2, 7] = NAN                      # NaN propagates to its row
+    x[3, -1] = POS_INF                 # +inf: NaN row, as torch.softmax
+    x[4, : cols // 2] = NEG_INF        # -inf in the first chunks only
+    x[5, -5:] = 80.0                   # the row's max in its last, partial box
+    y, _ = _check_staged(x, staged_calls, scale=0.7, log=log)
+    assert torch.isnan(y[2]).all() and torch.isnan(y[3]).all()
+    for scale in (-1.3, 0.0):
+        _check_staged(x[4:], staged_calls, scale=scale, log=log)
+    empty = torch.full((2, cols), NEG_INF, device="cuda")  # no finite entry: zeros / -inf
+    out = (flashtile.log_softmax if log else flashtile.softmax)(empty, -1)
+    assert torch.equal(out, torch.full_like(out, NEG_INF if log else 0.0))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_staged_repeats_are_bitwise_equal(staged_calls):
+    """Chunks merge in chunk order whatever order their programs arrive in."""
+    x = randn(300, 262144, dtype=BF16, device="cuda", seed=3)
+    first = flashtile.softmax(x, -1)
+    for _ in range(20):
+        assert torch.equal(flashtile.softmax(x, -1), first)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_staged_rows_of_a_strided_view(staged_calls):
+    """Every other row of a larger tensor: rows a stride apart are read in place."""
+    base = randn(6, 2 * 65536, dtype=BF16, device="cuda", seed=9, std=2.0)
+    x = base[:, :65536]
+    _check_staged(x, staged_calls, log=False)
