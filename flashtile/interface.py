@@ -76,7 +76,7 @@ def flash_attn_func(
         if _ops.records_autograd(q, k, v):
             out, lse = _ops.EagerAttention.apply(q, k, v, params, checked)
         else:
-            out, lse = _ops.eager_forward(q, k, v, params, checked)
+            out, lse = _ops.eager_forward(q, k, v, params, checked, need_lse=return_lse)
     else:
         out, lse = _ops.forward(q, k, v, params)
     return (out, lse) if return_lse else out

@@ -478,20 +478,51 @@ def test_stubbed_tiny_forward_takes_the_plan_through_the_public_function(stubbed
     calls = []
     real = ops.eager_forward
 
-    def counting(*args):
-        calls.append(args[-1])
-        return real(*args)
+    def counting(q, k, v, params, memo, **kwargs):
+        calls.append(memo)
+        return real(q, k, v, params, memo, **kwargs)
 
     ops.eager_forward = counting
     try:
-        for _ in range(3):
-            flashtile.flash_attn_func(q, k, v)
+        for _ in range(3):  # (with the LSE: without it, a plan's launch writes it to the sink, below)
+            flashtile.flash_attn_func(q, k, v, return_lse=True)
     finally:
         ops.eager_forward = real
     launches, _ = stubbed
     assert len(launches) == 3 and len(set(map(repr, launches))) == 1
     memo = calls[0]
     assert all(m is memo for m in calls) and memo.plans is forward.cache.plans and memo.plan is not forward.NO_PLAN
+
+
+@in_child
+@pytest.mark.parametrize("engine, seqlen_q", [("auto", 128), ("triton", 128), ("auto", 1)])
+def test_stubbed_forward_without_lse_writes_it_to_the_streams_sink(stubbed, monkeypatch, engine, seqlen_q):
+    """A planned forward outside autograd and without ``return_lse`` launches with the stream's
+    LSE sink (``plans.lse_buffer``) where the others pass a fresh LSE: both engines, and the
+    split-KV kernel of a few query rows."""
+    from flashtile.kernels import workspace
+
+    monkeypatch.setenv("FLASHTILE_ENGINE", engine)
+    q, k, v = _qkv((1, seqlen_q, 8, 64), (1, 128, 8, 64), dtype=torch.bfloat16)
+    launches, inputs = stubbed
+    workspace.clear()
+    for _ in range(3):  # the key's first call goes the general way, the second builds the plan
+        out = flashtile.flash_attn_func(q, k, v)
+    assert isinstance(out, torch.Tensor)
+    (held,) = workspace._scratch.values()
+    assert held.sink.numel() >= 8 * seqlen_q
+    inputs[held.sink.data_ptr()] = "sink"
+    flashtile.flash_attn_func(q, k, v)
+    out, lse = flashtile.flash_attn_func(q, k, v, return_lse=True)
+    assert lse.shape == (1, 8, seqlen_q) and lse.data_ptr() != held.sink.data_ptr()
+    with torch.enable_grad():  # recording autograd: the backward reads the LSE
+        flashtile.flash_attn_func(q, k.requires_grad_(), v)
+
+    def passes_sink(launch):
+        return "'sink')" in repr(launch[2])
+
+    assert [passes_sink(launch) for launch in launches[-3:]] == [True, False, False]
+    workspace.clear()
 
 
 def _planned_case(monkeypatch, d, engine, case):

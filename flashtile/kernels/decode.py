@@ -959,9 +959,9 @@ class _FewRowsPlan:
 
     __slots__ = ("make", "unit", "top", "by_class")
 
-    def run(self, q, k, v, alibi_slopes, bound=True):
+    def run(self, q, k, v, alibi_slopes, bound=True, need_lse=True):
         """``(out, lse)`` of the forward; ``k``, ``v`` of any length and strides (unit last);
-        ``bound`` as in :meth:`_SplitPlan.run`."""
+        ``bound`` and ``need_lse`` as in :meth:`_SplitPlan.run`."""
         n = k.shape[1]
         length_class = n // self.unit
         if length_class > self.top:
@@ -975,7 +975,7 @@ class _FewRowsPlan:
         chunk = cdiv(cdiv(n, plan.num_splits), block_n) * block_n
         ks, vs = k.stride(), v.stride()
         return plan.run(q, k, v, n, None, None, None, alibi_slopes, bound=bound,
-                        sized=(n, chunk, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]))
+                        sized=(n, chunk, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]), need_lse=need_lse)
 
 
 def few_rows_plan(q, k, v, alibi_slopes, softmax_scale, window_left, window_right, softcap,

@@ -10,6 +10,11 @@ never overwrites what an earlier step still reads.
 The counters of the in-kernel merge live here too, zeroed once at allocation: every launch
 that counts leaves them zeroed (the last program of each tile resets its counter).
 
+So does the sink, where a launch writes an output its caller drops (the LSE of a decoding
+step without ``return_lse``, or of a forward that records no autograd): the kernels take
+the LSE's strides from their plan and only its base from the tensor, so one buffer as large
+as the largest such LSE serves every call on the stream.
+
 While the current stream captures a CUDA graph, a caller asks for fresh tensors (the
 graph's own memory, the counters zeroed by a node of the graph), so a graph replayed on any
 stream never shares scratch with eager launches.  While torch.compile traces, the caller

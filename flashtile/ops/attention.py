@@ -110,7 +110,7 @@ def _import_kernels_forward():
     return forward
 
 
-def eager_forward(q, k, v, params: AttentionParams, memo=None):
+def eager_forward(q, k, v, params: AttentionParams, memo=None, need_lse: bool = True):
     """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`).
 
     ``memo``: the caller's memo entry for calls like this one (the public function's checked
@@ -118,7 +118,8 @@ def eager_forward(q, k, v, params: AttentionParams, memo=None):
     plan cache it came from: every call with the entry's key has the plan's key too (the
     entry's key holds all the plan's key does), so the plan is looked up once per entry, not
     per call, and used while that cache is current (``forward.cache.plans``: emptying it makes
-    every kept plan stale)."""
+    every kept plan stale).  ``need_lse`` False: the caller drops the LSE, and a plan's launch
+    writes it to scratch instead of a new tensor (the LSE returned is then None or unused)."""
     forward = _kernels_forward or _import_kernels_forward()
     if memo is not None:
         if memo.plans is not forward.cache.plans:
@@ -127,7 +128,7 @@ def eager_forward(q, k, v, params: AttentionParams, memo=None):
                 return forward.general(q, k, v, params)
             memo.plan, memo.plans = plan, forward.cache.plans
         if memo.plan is not forward.NO_PLAN:
-            result = memo.plan(q, k, v, params)
+            result = memo.plan(q, k, v, params, need_lse)
             if result is not None:
                 return result
     return forward.fwd(q, k, v, params)

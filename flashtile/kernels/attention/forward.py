@@ -29,7 +29,7 @@ from flashtile.kernels.launch import constant as launch_constant
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, online_max, score_mod, score_mod_args
-from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache, stand_ins
+from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache, lse_buffer, stand_ins
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, dot_precision
 from flashtile.kernels.tile_info import sequence_bounds, tile_and_head
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim, tma_strides
@@ -294,11 +294,11 @@ def _few_rows_plan(q, k, v, params: AttentionParams, tuning_text: str):
     few = decode.few_rows_plan(q, k, v, params.alibi_slopes, params.softmax_scale, params.window_left,
                                params.window_right, params.softcap, tuning_text)
 
-    def run(q, k, v, params: AttentionParams):
+    def run(q, k, v, params: AttentionParams, need_lse=True):
         slopes = params.alibi_slopes
         if slopes is not None and not slopes.is_contiguous():
             slopes = slopes.contiguous()  # the kernel reads (batch,) nheads slopes at stride 1
-        return few.run(q, k, v, slopes, bound=not torch.compiler.is_compiling())
+        return few.run(q, k, v, slopes, bound=not torch.compiler.is_compiling(), need_lse=need_lse)
 
     return run
 
@@ -357,13 +357,13 @@ def _dense_plan(q, k, v, params: AttentionParams):
     else:
         bound = bind(_attn_fwd, grid, options, args, tail_from=9 if has_alibi else 8)
 
-    def run(q, k, v, params: AttentionParams):
+    def run(q, k, v, params: AttentionParams, need_lse=True):
         # The key fixed everything but the bases; TMA needs them 16-byte aligned.
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
             return None
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
-        lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
+        lse = lse_buffer(lse_shape, device, need_lse)
         head = (q, k, v, paged_kv, 0, out, out, lse)
         if has_alibi:
             head += (params.alibi_slopes if alibi_contiguous else params.alibi_slopes.contiguous(),)
@@ -372,7 +372,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
         if has_dropout:
             head += mid + (float(params.dropout_p), int(params.seed), int(params.offset))
         bound(head)
-        return out, lse
+        return out, (lse if need_lse else None)
 
     return run
 

@@ -63,7 +63,7 @@ from flashtile.kernels.hopper.turns import hand_turn, issue_turn
 from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import alibi_slope_log2, score_mod, score_mod_args
-from flashtile.kernels.plans import stand_ins
+from flashtile.kernels.plans import lse_buffer, stand_ins
 from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
 from flashtile.kernels.tile_info import dealt_tile, sequence_bounds, work_schedule
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
@@ -650,17 +650,17 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, a
     bound = bind(attention_fwd_kernel, grid, options, args, tail_from=slopes_at + 1 if has_alibi else 5)
     mid = args[5:slopes_at]
 
-    def run(q, k, v, params):
+    def run(q, k, v, params, need_lse=True):
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
             return None
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
-        lse = torch.empty(*lse_shape, dtype=torch.float32, device=device)
+        lse = lse_buffer(lse_shape, device, need_lse)
         if has_alibi:
             slopes = params.alibi_slopes  # the kernel steps over heads with stride 1
             bound((q, k, v, out, lse, *mid, slopes if slopes.is_contiguous() else slopes.contiguous()))
         else:
             bound((q, k, v, out, lse))
-        return out, lse
+        return out, (lse if need_lse else None)
 
     return run
