@@ -70,12 +70,13 @@ def stand_ins(device, *specs) -> tuple:
     return tuple(buffer[:size].view(dtype).view(shape) for size, (shape, dtype) in zip(sizes, specs))
 
 
-def lse_buffer(shape: tuple, device, needed: bool):
-    """Where a plan's launch writes its float32 LSE of ``shape``: a fresh tensor when the caller
+def lse_buffer(shape: tuple, numel: int, device, needed: bool):
+    """Where a plan's launch writes its float32 LSE of ``shape`` (``numel`` elements, worked out
+    once by the plan): a fresh tensor when the caller
     wants it (or while the stream captures a CUDA graph), else the stream's sink
     (``flashtile.kernels.workspace``), which launches write and nothing reads -- a forward
     without autograd or ``return_lse`` saves the allocation.  The kernels write the LSE with the
     plan's own strides from the buffer's base, so the sink needs only its size."""
     if needed or workspace.capturing():
         return torch.empty(*shape, dtype=torch.float32, device=device)
-    return workspace.scratch(device, 0, 0, math.prod(shape)).sink
+    return workspace.scratch(device, 0, 0, numel).sink

@@ -17,6 +17,7 @@ paged) is in ``layout.py``.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -325,6 +326,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
         return None  # the output is written padded and copied back: the general path
     cfg = fwd_config(hd, q.dtype, window_right >= 0)
     out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
+    lse_numel = math.prod(lse_shape)
     out_template, lse_template = stand_ins(device, (out_shape, dtype), (lse_shape, torch.float32))
     q_desc, k_desc, v_desc, o_desc = (DescriptorTemplate(layout.tiles(t, rows, hd, fast_descriptor)) for t, rows in (
         (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (out_template, cfg.block_m)))
@@ -363,7 +365,7 @@ def _dense_plan(q, k, v, params: AttentionParams):
             return None
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
-        lse = lse_buffer(lse_shape, device, need_lse)
+        lse = lse_buffer(lse_shape, lse_numel, device, need_lse)
         head = (q, k, v, paged_kv, 0, out, out, lse)
         if has_alibi:
             head += (params.alibi_slopes if alibi_contiguous else params.alibi_slopes.contiguous(),)

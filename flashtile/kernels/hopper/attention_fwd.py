@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 from triton.experimental import gluon
@@ -628,6 +629,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, a
     hd = padded_headdim(d)
     cfg = call_config(hd, layout.seqlen_q, window_left, window_right, softcap > 0 or alibi_slopes is not None)
     out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
+    lse_numel = math.prod(lse_shape)
     templates = tuple(DescriptorTemplate(layout.tiles(t, rows, hd, descriptor))
                       for t, rows in ((q, cfg.query_box_rows), (k, cfg.block_n), (v, cfg.block_n)))
     num_items = cdiv(layout.seqlen_q, cfg.block_m) * layout.batch * layout.nheads
@@ -655,7 +657,7 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, a
             return None
         # Sizes as separate ints: torch parses them faster than a tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=device)
-        lse = lse_buffer(lse_shape, device, need_lse)
+        lse = lse_buffer(lse_shape, lse_numel, device, need_lse)
         if has_alibi:
             slopes = params.alibi_slopes  # the kernel steps over heads with stride 1
             bound((q, k, v, out, lse, *mid, slopes if slopes.is_contiguous() else slopes.contiguous()))
