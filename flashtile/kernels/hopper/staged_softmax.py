@@ -326,27 +326,37 @@ def stageable(t: torch.Tensor, row_stride: int, n_cols: int) -> bool:
             and n_cols % inner_cols(elem) == 0)
 
 
-def _launch(kernel, p: StagedPlan, descs, parts, n_rows, n_cols, elem_bytes, scalar, log):
-    arrived = torch.zeros(p.groups, dtype=torch.int32, device=parts.device)
-    kernel[(p.programs,)](*descs, *parts, arrived, n_rows, n_cols // inner_cols(elem_bytes), p.groups, p.splits,
-                          scalar, LOG=log, CHUNK_BOXES=p.chunk_boxes, BUFFERS=p.buffers,
-                          SPLITS_P2=max(2, next_power_of_2(p.splits)), num_warps=NUM_WARPS,
-                          launch_cooperative_grid=True)
+def _launch(kernel, p: StagedPlan, descs, parts, n_rows, n_cols, elem_bytes, scalar, log) -> bool:
+    """Launch cooperatively (the driver refuses a grid whose programs cannot all be resident at
+    once, so no program waits for one that cannot start); False when it refused."""
+    arrived = torch.zeros(p.groups, dtype=torch.int32, device=parts[0].device)
+    try:
+        kernel[(p.programs,)](*descs, *parts, arrived, n_rows, n_cols // inner_cols(elem_bytes), p.groups,
+                              p.splits, scalar, LOG=log, CHUNK_BOXES=p.chunk_boxes, BUFFERS=p.buffers,
+                              SPLITS_P2=max(2, next_power_of_2(p.splits)), num_warps=NUM_WARPS,
+                              launch_cooperative_grid=True)
+    except RuntimeError as e:  # e.g. SMs taken by a green context or MPS limit: the other paths
+        if "cooperative" not in str(e).lower():
+            raise
+        return False
+    return True
 
 
 def forward(x: torch.Tensor, y: torch.Tensor, n_rows: int, n_cols: int, row_stride: int, scale_log2: float,
-            log: bool, p: StagedPlan) -> None:
+            log: bool, p: StagedPlan) -> bool:
     """``y`` (contiguous ``(n_rows, n_cols)``) = (log-)softmax of the rows of ``x`` (``row_stride``
-    apart, unit column stride, ``stageable``), scores ``x * scale_log2`` in log2 units."""
+    apart, unit column stride, ``stageable``), scores ``x * scale_log2`` in log2 units; False,
+    nothing written, when the driver refused the cooperative launch."""
     parts = torch.empty((2, 2 * p.groups * p.splits), dtype=torch.float32, device=x.device)
     descs = (_view_descriptor(x, n_rows, n_cols, row_stride), _view_descriptor(y, n_rows, n_cols, n_cols))
-    _launch(staged_softmax_fwd_kernel, p, descs, (parts[0], parts[1]), n_rows, n_cols, x.element_size(),
-            scale_log2, log)
+    return _launch(staged_softmax_fwd_kernel, p, descs, (parts[0], parts[1]), n_rows, n_cols, x.element_size(),
+                   scale_log2, log)
 
 
 def backward(y: torch.Tensor, g: torch.Tensor, dx: torch.Tensor, n_rows: int, n_cols: int, scale: float, log: bool,
-             p: StagedPlan) -> None:
-    """``dx`` of contiguous ``(n_rows, n_cols)`` ``y`` and ``g`` (one dtype), into contiguous ``dx``."""
+             p: StagedPlan) -> bool:
+    """``dx`` of contiguous ``(n_rows, n_cols)`` ``y`` and ``g`` (one dtype), into contiguous ``dx``;
+    False, nothing written, when the driver refused the cooperative launch."""
     part = torch.empty((2 * p.groups * p.splits,), dtype=torch.float32, device=y.device)
     descs = tuple(_view_descriptor(t, n_rows, n_cols, n_cols) for t in (y, g, dx))
-    _launch(staged_softmax_bwd_kernel, p, descs, (part,), n_rows, n_cols, y.element_size(), scale, log)
+    return _launch(staged_softmax_bwd_kernel, p, descs, (part,), n_rows, n_cols, y.element_size(), scale, log)

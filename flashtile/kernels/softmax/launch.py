@@ -31,8 +31,8 @@ def softmax_forward(x, mask, lead_shape, x_strides, m_strides, n_cols, scale, lo
         if sp is not None:
             from flashtile.kernels.hopper import staged_softmax
 
-            if staged_softmax.stageable(x, x_strides[2], n_cols):
-                staged_softmax.forward(x, y, n_rows, n_cols, x_strides[2], scale_log2, log, sp)
+            if (staged_softmax.stageable(x, x_strides[2], n_cols)
+                    and staged_softmax.forward(x, y, n_rows, n_cols, x_strides[2], scale_log2, log, sp)):
                 return y
     kind = _mask_kind(mask)
     mask_arg = mask if mask is not None else x
@@ -64,8 +64,8 @@ def softmax_backward(y, g, mask, lead_shape, m_strides, scale, log, out_dtype,
         if sp is not None:
             from flashtile.kernels.hopper import staged_softmax
 
-            if all(staged_softmax.stageable(t, n_cols, n_cols) for t in (y, g, dx)):
-                staged_softmax.backward(y, g, dx, n_rows, n_cols, scale, log, sp)
+            if (all(staged_softmax.stageable(t, n_cols, n_cols) for t in (y, g, dx))
+                    and staged_softmax.backward(y, g, dx, n_rows, n_cols, scale, log, sp)):
                 return dx
     kind = _mask_kind(mask)
     mask_arg = mask if mask is not None else y

@@ -47,6 +47,28 @@ def test_plan_fills_the_gpu_and_refuses_what_cannot_be_staged():
     assert staged_softmax.plan(1, 4 * 2**20, 4, 2, H200_SMS) is None  # y and dy: 32 MB
 
 
+class _Refusing:
+    """A kernel whose launch fails like the driver's refusal of a cooperative grid (or otherwise)."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            assert options["launch_cooperative_grid"] is True
+            raise RuntimeError(self.message)
+        return launch
+
+
+def test_a_refused_cooperative_launch_falls_back():
+    p = staged_softmax.StagedPlan(splits=2, groups=3, chunk_boxes=4, buffers=2)
+    parts = (torch.empty(2 * p.programs),)
+    refused = _Refusing("CUDA error: too many blocks in cooperative launch")
+    assert staged_softmax._launch(refused, p, (), parts, 3, 65536, 2, 1.0, False) is False
+    with pytest.raises(RuntimeError, match="illegal address"):
+        staged_softmax._launch(_Refusing("an illegal address"), p, (), parts, 3, 65536, 2, 1.0, False)
+
+
 @pytest.fixture
 def staged_calls(monkeypatch):
     """The path at every row length, and a count of its forward and backward launches."""
