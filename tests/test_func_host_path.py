@@ -286,7 +286,7 @@ def stubbed(monkeypatch):
 
     from flashtile.kernels import launch as launch_mod
     from flashtile.kernels.attention import backward, forward
-    from flashtile.kernels.hopper import attention_bwd, attention_fwd
+    from flashtile.kernels.hopper import attention_bwd, attention_bwd_wide, attention_fwd
 
     launches, inputs = [], {}
 
@@ -297,7 +297,7 @@ def stubbed(monkeypatch):
     def recording(kernel, grid, args, options, dynamic=()):
         launches.append((kernel.fn.__name__, grid, _describe(args, inputs), sorted(options.items())))
 
-    for module in (forward, attention_fwd, backward, attention_bwd):
+    for module in (forward, attention_fwd, backward, attention_bwd, attention_bwd_wide):
         monkeypatch.setattr(module, "launch", recording)
     monkeypatch.setattr(launch_mod.BoundLaunch, "__call__",
                         lambda self, head: recording(self.kernel, self.grid, self.arguments(head), self.options))
@@ -428,6 +428,33 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
     if gluon:
         with_dq = dict(planned[1][3])["WITH_DQ"]
         assert with_dq == (case != "deterministic")
+
+
+@in_child
+@pytest.mark.parametrize("d, gqa", [(256, False), (256, True), (192, True)])
+@pytest.mark.parametrize("case", ["full", "causal", "window", "deterministic"])
+def test_stubbed_wide_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, d, gqa, case):
+    """Forced Gluon above d = 128: dK and dV on the wide-head kernel, dQ on the tl.* one, the same
+    launches planned or not (a padded head dim, 192, goes the general way every time)."""
+    from flashtile.kernels.attention import backward
+    from flashtile.kernels.attention.layout import Layout
+
+    launches, inputs = stubbed
+    monkeypatch.setenv("FLASHTILE_ENGINE", "gluon")
+    q, k, v = _qkv((2, 130, 4, d), (2, 300, 2 if gqa else 4, d), dtype=torch.bfloat16)
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(2, 4, 130)
+    params = dict(_STUB_PARAMS, deterministic=AttentionParams(0.125, deterministic=True))[case]
+    inputs.update({t.data_ptr(): name for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"),
+                                                     (lse, "lse"))})
+    backward.bwd(dout, q, k, v, out, lse, params)
+    backward.bwd(dout, q, k, v, out, lse, params)
+    backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
+    n = len(launches) // 3
+    first, planned, general = launches[:n], launches[n:2 * n], launches[2 * n:]
+    assert first == planned == general and len(launches) == 3 * n
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_wide_kernel", "_attn_bwd_dq"]
+    assert dict(planned[1][3])["HEAD_DIM"] == 256
 
 
 @in_child

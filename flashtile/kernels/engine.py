@@ -13,7 +13,8 @@ Two engines compute the same attention on CUDA tensors:
 
 The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi), which
 ``auto`` takes where it can run the call, except at head dims up to 64 for short masked calls
-(``backward_engine``).
+(``backward_engine``); head dims 129-256 have a Gluon dK / dV kernel (``attention_bwd_wide``,
+dQ on ``tl.*``) that runs only when ``gluon`` is forced, until it has been measured.
 The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
 the ``tl.*`` one (``fp8_forward_engine``).
 
@@ -49,8 +50,12 @@ ENGINE_ENV = ENGINE_KNOBS.env_var
 # backward measured as fast or faster (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
 GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
-# The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128.
-GLUON_BACKWARD_MAX_HEADDIM = 128
+# The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128 split by
+# keys between its consumers (``attention_bwd``), up to 256 by columns (``attention_bwd_wide``,
+# dQ on ``tl.*``).  ``auto`` takes the latter only once it has been measured against the
+# ``tl.*`` backward: until then it runs when forced.
+GLUON_BACKWARD_MAX_HEADDIM = 256
+GLUON_BACKWARD_AUTO_MAX_HEADDIM = 128
 
 
 def requested_engine() -> str:
@@ -209,14 +214,16 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     Like flash-attn's, it adds dQ in no fixed order, so gradients are not bitwise
     reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
     its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ (at
-    d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls).
+    d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls).  Head dims
+    129-256 (``attention_bwd_wide``) stay on ``tl.*`` under ``auto``.
     ``triton`` / ``gluon`` force one.
     """
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
     reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes)
-    pays = q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM or not short
+    pays = ((q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM or not short)
+            and q.shape[-1] <= GLUON_BACKWARD_AUTO_MAX_HEADDIM)
     if reason is None and (wanted == "gluon" or pays):
         return "gluon"
     if wanted == "gluon":

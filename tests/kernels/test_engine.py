@@ -82,7 +82,7 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.backward_engine(make(64), make(64)) == "gluon"
     assert engine.backward_engine(make(64), make(64), short=True) == "triton"
     assert engine.backward_engine(make(128), make(128), short=True) == "gluon"
-    assert engine.backward_engine(make(256), make(256)) == "triton"  # past the Gluon backward's head dims
+    assert engine.backward_engine(make(256), make(256)) == "triton"  # the wide-head kernel only when forced
     assert engine.backward_engine(make(128), make(128), softcap=5.0) == "triton"
 
 
@@ -94,8 +94,9 @@ def test_forced_gluon_backward_rule_on_hopper(monkeypatch):
     make = lambda d: torch.zeros(1, 4, 2, d, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     assert engine.backward_engine(make(128), make(128)) == "gluon"
     assert engine.backward_engine(make(64), make(64)) == "gluon"
-    with pytest.raises(NotImplementedError, match="head dim 256"):
-        engine.backward_engine(make(256), make(256))
+    assert engine.backward_engine(make(256), make(256)) == "gluon"  # attention_bwd_wide
+    with pytest.raises(NotImplementedError, match="softcap"):
+        engine.backward_engine(make(128), make(128), softcap=5.0)
 
 
 def test_auto_backward_rule_by_head_dim_and_short_masked(monkeypatch):
@@ -108,8 +109,11 @@ def test_auto_backward_rule_by_head_dim_and_short_masked(monkeypatch):
         assert engine.backward_engine(q(d), q(d), short=True) == "triton"
     for d in (65, 96, 128):
         assert engine.backward_engine(q(d), q(d), short=True) == "gluon"
+    for d in (129, 192, 256):  # the wide-head kernel (attention_bwd_wide): not under auto
+        assert engine.backward_engine(q(d), q(d)) == "triton"
     monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
     assert engine.backward_engine(q(64), q(64), short=True) == "gluon"
+    assert engine.backward_engine(q(256), q(256)) == "gluon"
     monkeypatch.setenv(engine.ENGINE_ENV, "triton")
     assert engine.backward_engine(q(128), q(128)) == "triton"
 

@@ -370,7 +370,7 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
         dq_acc, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
                                                   params.window_left, params.window_right,
                                                   deterministic=params.deterministic)
-        if dq_acc is None:  # deterministic: dK and dV alone; dQ from the tl.* kernel, whose programs own their rows
+        if dq_acc is None:  # deterministic or wide heads: dK and dV alone; dQ from the tl.* kernel (programs own rows)
             dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
             cfg_q = bwd_config(hd, q.dtype, params.window_right >= 0)[1]
             launch(*_dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params, cfg_q))
@@ -476,13 +476,13 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
 
         def gradients(q, k, v, dout, lse2, delta, lse):
             dq_acc, dk_, dv_ = gluon_gradients(q, k, v, dout, lse2, delta)
-            if dq_acc is None:  # deterministic: dQ from the tl.* kernel, as the general path
+            if dq_acc is None:  # deterministic or wide heads: dQ from the tl.* kernel, as the general path
                 dq_ = torch.empty(*shapes[0], dtype=dtype, device=device)
                 dq((q, k, v, dout, dq_, dq_, lse2, delta, lse, stride_ab, lse, lse))
                 return dq_, dk_, dv_
             return dq_acc, dk_, dv_
 
-        if not params.deterministic:
+        if attention_bwd.returns_dq_workspace(d, params.deterministic):
             finish = functools.partial(dq_from_workspace, headdim=d,
                                        softmax_scale=params.softmax_scale, dtype=dtype)
     else:

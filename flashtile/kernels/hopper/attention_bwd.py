@@ -84,7 +84,7 @@ CONSUMER_KEYS: gl.constexpr = gl.constexpr(64)
 
 
 @gluon.jit
-def _work(pid, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
+def key_tile_work(pid, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, window_left,
           window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
           VARLEN: gl.constexpr):
     """Program ``pid`` -> (b, hk, n0, q_start, k_start, seqlen_q, seqlen_k, lo, full_lo, full_hi, key_edge, n_steps).
@@ -111,14 +111,14 @@ def _work(pid, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seq
 
 
 @gluon.jit
-def _step_rows(step, hk, group, n_steps, lo, BLOCK_M: gl.constexpr):
+def step_rows(step, hk, group, n_steps, lo, BLOCK_M: gl.constexpr):
     """Step ``step`` of a program -> (its query head, its first query row in the sequence): the
     steps go query tile by query tile for each query head of the GQA group in turn."""
     return hk * group + step // n_steps, lo + (step % n_steps) * BLOCK_M
 
 
 @gluon.jit
-def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready,
+def producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready,
               ready, empty, LSE2, Delta, stride_lb, stride_lh,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right, num_items,
               section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -127,7 +127,7 @@ def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, 
     Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it, with the
     step's rows of the log2 LSE and of delta (zeros past the sequence).  One barrier pair a
     slot for all four: fewer barrier operations in the consumers' loop."""
-    b, hk, n0, q_start, k_start, sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
+    b, hk, n0, q_start, k_start, sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
         gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
         window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
     if n_steps >= 0:
@@ -160,16 +160,17 @@ def _producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, 
 
 
 @gluon.jit
-def _store_rows(ptr, base, rows, nrows, stride_row, headdim, x, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
-    """Rows ``rows`` (< ``nrows``) of a ``(rows, HEAD_DIM)`` tile at ``ptr + base``; columns
-    past ``headdim`` are the padded head dim's and are not stored."""
+def store_rows(ptr, base, rows, nrows, stride_row, headdim, x, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+                col_off: gl.constexpr = 0):
+    """Rows ``rows`` (< ``nrows``) of a ``(rows, HEAD_DIM)`` tile at ``ptr + base``, as columns
+    ``col_off ...``; columns past ``headdim`` are the padded head dim's and are not stored."""
     # 16-byte stores: each thread writes 8 consecutive columns of a row.
     VEC: gl.constexpr = 8
     TPC: gl.constexpr = HEAD_DIM // VEC if HEAD_DIM // VEC < 32 else 32
     store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPC, TPC], [4, 1], [1, 0])
     x = gl.convert_layout(x.to(ptr.dtype.element_ty), store_layout)
     r = rows + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
+    cols = col_off + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
     ptrs = ptr + base + gl.expand_dims(r.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, x, mask=gl.expand_dims(r < nrows, 1) & gl.expand_dims(cols < headdim, 0))
 
@@ -222,14 +223,14 @@ def _dq_writer(DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen
     """Per step, both consumers' staged dQ shares added into the workspace by the TMA engine, in
     step order; each staging tile handed back once the engine has read it (so a consumer's
     part of the dQ add is a shared-memory store and two barrier operations)."""
-    b, hk, n0, q_start, _k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = _work(
+    b, hk, n0, q_start, _k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
         gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
         window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
     if DQ_WRITER and (n_steps >= 0):
         if VARLEN:
             b = 0  # packed tensors are one batch entry of the descriptor
         for step in range(n_steps * group):
-            h, m0 = _step_rows(step, hk, group, n_steps, lo, BLOCK_M)
+            h, m0 = step_rows(step, hk, group, n_steps, lo, BLOCK_M)
             row = q_start + m0
             for i in gl.static_range(2):
                 mbarrier.wait(dq_full.index(i), step & 1)
@@ -281,7 +282,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
     ADD_TPR: gl.constexpr = DQ_COLS // 4 if DQ_COLS // 4 < 32 else 32
     add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // ADD_TPR, ADD_TPR], [4, 1], [1, 0])
 
-    b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = _work(
+    b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = key_tile_work(
         gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
         window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
     if n_steps >= 0:
@@ -297,7 +298,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
         total = n_steps * group
         mbarrier.wait(kv_ready, 0)
         for c in range(total):
-            h, m0 = _step_rows(c, hk, group, n_steps, lo, BLOCK_M)
+            h, m0 = step_rows(c, hk, group, n_steps, lo, BLOCK_M)
             slot = c % NUM_STAGES
             phase = (c // NUM_STAGES) & 1
             mbarrier.wait(ready.index(slot), phase)
@@ -360,7 +361,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                     dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
                     mbarrier.arrive(empty.index(slot), count=1)
                     if c > 0:
-                        prev_h, prev_m0 = _step_rows(prev, hk, group, n_steps, lo, BLOCK_M)
+                        prev_h, prev_m0 = step_rows(prev, hk, group, n_steps, lo, BLOCK_M)
                         _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start, sq,
                                 col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout,
                                 BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
@@ -382,14 +383,14 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                                    gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
                                    use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=[dq])
-                last_h, last_m0 = _step_rows(last, hk, group, n_steps, lo, BLOCK_M)
+                last_h, last_m0 = step_rows(last, hk, group, n_steps, lo, BLOCK_M)
                 _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, last_h, last_m0, q_start, sq, col_off,
                         stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN,
                         DQ_TMA, DQ_WRITER)
 
         kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
-        _store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
-        _store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
+        store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
+        store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
         if DQ_TMA and not DQ_WRITER:
             tma.store_wait(0)  # the staging tile stays until the engine has read it
 
@@ -457,7 +458,7 @@ def attention_bwd_kernel(
                      window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
                      DK_SMEM, DQ_WRITER)),
-        (_producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
+        (producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
                      kv_ready, ready, empty, LSE2, Delta, stride_lb, stride_lh,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
                      num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
@@ -508,8 +509,14 @@ class HopperBwdConfig(RegisterBudget):
 ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=64+dq_lag=0", "dq_writer=0")
 
 # dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
-# consumers' budget up to d = 128.
+# consumers' budget up to d = 128; wider heads go to ``attention_bwd_wide`` (dK and dV only).
 MAX_HEADDIM = 128
+
+
+def returns_dq_workspace(head_dim_pad: int, deterministic: bool) -> bool:
+    """Whether :func:`backward` (and a :func:`dense_plan`) computes dQ, as an fp32 workspace; else
+    it returns None for it and the caller runs the ``tl.*`` dQ kernel."""
+    return not deterministic and head_dim_pad <= MAX_HEADDIM
 
 
 @functools.lru_cache(maxsize=None)
@@ -597,6 +604,11 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
     the caller computes dQ)."""
     d = headdim
     hd = padded_headdim(d)
+    if hd > MAX_HEADDIM:
+        from flashtile.kernels.hopper import attention_bwd_wide
+
+        return attention_bwd_wide.backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left,
+                                           window_right)
     cfg = config or (deterministic_config(hd) if deterministic else config_for(hd))
     # fp32 and HEAD_DIM columns wide: the kernel adds whole rows, unmasked, vectorised.  Without
     # dQ, one tile of it for the descriptor the kernel's signature takes.
@@ -624,6 +636,11 @@ def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, w
     gradients and launches; the descriptors come from templates (``DescriptorTemplate``), the
     grid, the other arguments and the constexprs are the ones :func:`backward` computes."""
     d = q.shape[-1]
+    if d > MAX_HEADDIM:
+        from flashtile.kernels.hopper import attention_bwd_wide
+
+        return attention_bwd_wide.dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left,
+                                             window_right)
     cfg = deterministic_config(d) if deterministic else config_for(d)
     acc_shape, dtype, device = tuple(q.shape), q.dtype, q.device
     k_shape, v_shape = tuple(k.shape), tuple(v.shape)

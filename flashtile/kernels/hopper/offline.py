@@ -22,6 +22,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 
 from flashtile.kernels.hopper import attention_bwd as bwd
+from flashtile.kernels.hopper import attention_bwd_wide as bwd_wide
 from flashtile.kernels.hopper import attention_fp8 as fp8
 from flashtile.kernels.hopper import attention_fwd as fwd
 from flashtile.kernels.hopper import staged_softmax as staged
@@ -44,8 +45,11 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 #   causal (up to 776 in the alternatives with vector atomics; the 64-row tiles of
 #   ``block_m=64`` spill nothing).  The spilling tiles measured faster all the same
 #   (docs/tuning.md).
+# * the wide-head backward (``attention_bwd_wide``), d = 256: a few words of the step loop
+#   (24 bytes dense, 40-56 masked or packed; none with the one-row constants).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
-                      ("backward", 64): 776, ("backward", 128): 704, ("fp8", 64): 32, ("fp8", 128): 32}
+                      ("backward", 64): 776, ("backward", 128): 704, ("backward_wide", 256): 64,
+                      ("fp8", 64): 32, ("fp8", 128): 32}
 
 # The forward with a softcap or ALiBi (``compile_forward(softcap=..., alibi=...)``): the
 # softcap's tanh and ALiBi's key distances beside the score tile leave a few words of the
@@ -115,6 +119,27 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
     sig.update({name: "constexpr" for name in consts})
     attrs = _aligned(fn, ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb",
                           "stride_km", "stride_kh", "stride_lb", "stride_lh", "headdim"))
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+
+
+def compile_backward_wide(hd: int = 256, causal: bool = False, window: bool = False, varlen: bool = False,
+                          dtype: str = "bf16", **constexprs):
+    """The wide-head backward kernel (``attention_bwd_wide``: dK and dV) as it launches for head
+    dim ``hd`` (a power of two above 128), compiled for sm_90a (``constexprs``: integer
+    arguments the JIT would specialise, as ``compile_backward``'s)."""
+    cfg = bwd_wide.config_for(hd)
+    fn = bwd_wide.attention_bwd_wide_kernel
+    ints = ("stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k max_seqlen_k nheads_k group headdim "
+            "window_left window_right num_items section_heads").split()
+    sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
+           "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
+           "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
+           "qk_scale": "fp32", "softmax_scale": "fp32", **{name: "i32" for name in ints}}
+    consts = {**bwd_wide.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
+    sig.update({name: "constexpr" for name in consts})
+    attrs = _aligned(fn, ("DK", "DV", "LSE2", "Delta", "stride_kb", "stride_km", "stride_kh", "stride_lb", "stride_lh",
+                          "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
 
@@ -233,6 +258,12 @@ def variants():
     for hd in HEAD_DIMS["backward"]:
         yield dict(kernel="backward", hd=hd, causal=False, window=False, varlen=False, dtype="bf16",
                    deterministic=True, **{name: 1 for name in ONE_ROW_CONSTANTS})
+    # The wide-head backward (dK and dV by columns) wherever it runs.
+    for (causal, window), varlen, dtype in itertools.product(((False, False), (True, False), (False, True)),
+                                                             (False, True), ("bf16", "fp16")):
+        yield dict(kernel="backward_wide", hd=256, causal=causal, window=window, varlen=varlen, dtype=dtype)
+    yield dict(kernel="backward_wide", hd=256, causal=False, window=False, varlen=False, dtype="bf16",
+               **{name: 1 for name in ONE_ROW_CONSTANTS})
     # The shared-memory softmax: every chunk size its plans give in bf16 (two buffers up to half
     # the slots, one beyond), and each dtype and log-softmax at the largest of each.
     for direction, tensors in (("forward", 1), ("backward", 2)):
@@ -247,9 +278,9 @@ def variants():
 
 
 def compile_variant(kernel: str, **shape):
-    """``compile_forward``, ``compile_backward`` or ``compile_fp8`` of one ``variants()`` entry."""
-    return {"forward": compile_forward, "backward": compile_backward, "fp8": compile_fp8,
-            "softmax": compile_softmax}[kernel](**shape)
+    """The ``compile_*`` function of one ``variants()`` entry's kernel, called with the rest of it."""
+    return {"forward": compile_forward, "backward": compile_backward, "backward_wide": compile_backward_wide,
+            "fp8": compile_fp8, "softmax": compile_softmax}[kernel](**shape)
 
 
 def _reported(variant: dict) -> tuple[dict, dict]:

@@ -149,8 +149,8 @@ def test_deterministic_backward_is_bitwise_reproducible(monkeypatch, d, causal):
 
 @needs_hopper
 def test_forcing_gluon_backward_on_unsupported_calls_names_the_reason():
-    # The one call the Gluon forward takes and its backward does not: head dims above 128.
-    q, k, v = random_qkv(1, 64, 64, 1, 1, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    out = flashtile.flash_attn_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="head dim"):
+    # Calls the Gluon forward takes and its backward does not: a softcap (or ALiBi).
+    q, k, v = random_qkv(1, 64, 64, 1, 1, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    out = flashtile.flash_attn_func(q, k, v, softcap=5.0)
+    with pytest.raises(NotImplementedError, match="softcap"):
         out.sum().backward()

@@ -1,0 +1,96 @@
+"""The wide-head Gluon backward (``attention_bwd_wide``: dK and dV for head dims above 128, dQ on the
+``tl.*`` kernel) against the float64 oracle, on an sm_90 GPU.
+
+``FLASHTILE_ENGINE=gluon`` (``conftest.py``) forces it: under ``auto`` these head dims keep the
+``tl.*`` backward until the wide kernel has been measured against it.  The rule is the other
+backward tests' (``helpers.assert_close_to_reference``).
+"""
+
+import pytest
+import torch
+
+from helpers import assert_close_to_reference, is_hopper, random_like, random_qkv, reference_attention_grads
+
+import flashtile
+
+attention_bwd_wide = pytest.importorskip("flashtile.kernels.hopper.attention_bwd_wide")
+
+pytestmark = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
+
+FLOOR = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+CASES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window
+    (1, 1, 1, 1, 1, 256, False, (-1, -1)),
+    (2, 17, 17, 2, 2, 256, False, (-1, -1)),
+    (1, 17, 17, 2, 1, 192, True, (-1, -1)),  # padded to 256: the last 64 columns neither read nor stored
+    (1, 1000, 1000, 2, 2, 256, True, (-1, -1)),
+    (1, 1000, 1000, 2, 2, 256, False, (-1, -1)),
+    (2, 1000, 1000, 8, 1, 256, True, (-1, -1)),  # GQA 8:1
+    (1, 128, 1000, 2, 1, 160, False, (-1, -1)),  # Nq < Nk
+    (1, 1000, 130, 4, 2, 256, True, (-1, -1)),  # Nq > Nk: the first 870 rows see nothing
+    (1, 700, 900, 2, 1, 256, False, (100, 37)),  # sliding window
+    (1, 4097, 4097, 2, 2, 256, False, (-1, -1)),
+]
+
+
+def _case_id(c):
+    return "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(*c[:6], "causal" if c[6] else "full", c[7])
+
+
+def _grads(q, k, v, dout, **kw):
+    out = flashtile.flash_attn_func(q, k, v, **kw)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_wide_backward_matches_reference(case, dtype, monkeypatch):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
+    calls = []
+    real = attention_bwd_wide.backward
+    monkeypatch.setattr(attention_bwd_wide, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=dtype, device="cuda",
+                         requires_grad=True)
+    kw = dict(causal=causal, window_size=window)
+    dout = random_like(q, seed=1)
+    got = _grads(q, k, v, dout, **kw)
+    assert calls, "the wide-head kernel did not run"
+    ref = reference_attention_grads(q, k, v, dout, **kw)
+    low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
+    for name, g, r64, rlow in zip(("dq", "dk", "dv"), got, ref[2:], low[2:]):
+        assert_close_to_reference(g, r64, rlow, name, atol_floor=FLOOR[dtype])
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_varlen_backward_matches_dense_per_sequence(causal):
+    # Zero-length and one-row sequences, and sequences whose last key tile is partial.
+    lens = [0, 1, 17, 300, 1000, 65]
+    q, k, v = random_qkv(1, sum(lens), sum(lens), 4, 2, 256, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t[0].requires_grad_(True) for t in (q, k, v))
+    dout = random_like(q, seed=3)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b, n in enumerate(lens):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if n == 0:
+            continue
+        parts = [t[None, s:e].detach().requires_grad_(True) for t in (q, k, v)]
+        ref = reference_attention_grads(*parts, dout[None, s:e], causal=causal)
+        low = reference_attention_grads(*parts, dout[None, s:e], upcast=False, causal=causal)
+        for name, g, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:], low[2:]):
+            assert_close_to_reference(g[None, s:e], r64, rlow, f"{name} of sequence {b}", atol_floor=1e-2)
+
+
+@needs_hopper
+def test_wide_backward_is_bitwise_reproducible():
+    # Every program owns its keys' dK and dV rows and the tl.* dQ kernel its query rows.
+    q, k, v = random_qkv(2, 1000, 1000, 4, 2, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dout = random_like(q, seed=1)
+    first = _grads(q, k, v, dout, causal=True)
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, causal=True)))
