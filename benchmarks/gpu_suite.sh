@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
-#   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax
+#   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax wide_bwd
 #                                                 hopper alternatives consan profile_bwd deterministic memory host training parity_tests features generate few_rows decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
@@ -42,6 +42,11 @@ for part in $parts; do
         -p no:warnings
       run tune_staged 200 python3 benchmarks/tune_softmax.py --out "$RES" --budget-s 150 \
         --cols 16384 32768 65536 262144 1048576 4194304 --configs "" "staged=1" "staged=1,staged_min_bytes=0" ;;
+    wide_bwd)  # the backward of head dims 129-256 (forced Gluon only): its GPU tests, then against tl.* and cuDNN
+      run wide_bwd_tests 300 python3 -m pytest tests/kernels/hopper/test_attention_bwd_wide.py -m gpu -q -n 4 \
+        -p no:cacheprovider -p no:warnings
+      run wide_bwd_ab 200 python3 benchmarks/bench_hopper_bwd.py --headdims 256 --seqlens 1024 4096 16384 --variants \
+        --out "$RES/hopper_bwd_wide.jsonl" ;;
     strided_tests) run strided_tests 120 python3 -m pytest tests/test_kvcache.py tests/kernels/test_attention_kernels.py \
                      -q -p no:cacheprovider -p no:warnings -k "strided or views or non_contiguous" ;;
     kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
