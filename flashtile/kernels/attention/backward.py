@@ -14,7 +14,8 @@ Like the forward, each pass walks its tiles in up to three runs (``query_tiles``
 ``engine.backward_engine`` picks it (head dims up to 128; at 64 and below not for short masked
 calls), steps 2 and 3 run as the Gluon kernel of
 ``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
-and step 3 as here).
+and step 3 as here; at head dims 129-256, when the Gluon engine is forced, step 2 alone as
+``attention_bwd_wide.py`` and step 3 as here).
 """
 
 from __future__ import annotations
