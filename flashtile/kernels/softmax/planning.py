@@ -7,10 +7,10 @@ when it does not, on whether its second read can be served by the L2 cache: rows
 ``COOPERATIVE_MAX`` / ``COOP_BWD_MAX``, are held in registers by several cooperating
 programs (``cooperative.py``; at most 4M forward / 2M backward on an H200, by default the
 backward up to 256k); the rest are streamed twice (``streaming.py``), by persistent programs
-when there are rows for every SM (fused) and by row chunks otherwise (split).  On Hopper,
-unmasked rows of at least ``STAGED_MIN_BYTES`` whose layout the TMA engine can read are held
-in shared memory instead, by cooperating programs (``staged_plan``,
-``flashtile/kernels/hopper/staged_softmax.py``; 1 read + 1 write).
+when there are rows for every SM (fused) and by row chunks otherwise (split).  On Hopper, with
+the ``staged`` knob on (off by default), unmasked rows of at least ``STAGED_MIN_BYTES`` whose
+layout the TMA engine can read are held in shared memory instead, by cooperating programs
+(``staged_plan``, ``flashtile/kernels/hopper/staged_softmax.py``; 1 read + 1 write).
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def streaming_strategy(n_rows: int) -> str:
 
 def staged_plan(n_rows: int, n_cols: int, elem_bytes: int, tensors: int, device_index: int,
                 strategy: str | None = None):
-    """The shared-memory path's launch shape (``staged_softmax.StagedPlan``) for rows that the
-    caller found TMA-readable, or None where it does not run: another strategy asked for,
-    the knob off, rows below ``staged_min_bytes`` (unless ``strategy="staged"``), no Gluon on
-    this device, or rows it cannot stage (``staged_softmax.plan``)."""
+    """The shared-memory path's launch shape (``staged_softmax.StagedPlan``), which the caller
+    uses once it has found the rows TMA-readable, or None where the path does not run: another
+    strategy asked for, the knob off, rows below ``staged_min_bytes`` (unless
+    ``strategy="staged"``), no Gluon on this device, or rows it cannot stage
+    (``staged_softmax.plan``)."""
     if strategy not in (None, "staged") or INTERPRET:
         return None
     k = knobs()
