@@ -130,6 +130,30 @@ def reference_attention_grads(
     return out.detach(), lse.detach(), dq, dk, dv
 
 
+def assert_packed_grads_match_per_sequence(lens, nheads, nheads_k, headdim, causal, atol_floor=1e-2, **kw):
+    """``flash_attn_varlen_func``'s gradients on a packed bf16 CUDA batch of sequences of lengths
+    ``lens`` (zero-length ones allowed) against each sequence's float64 reference (flash-attn's
+    rule); ``kw`` goes to the varlen call (e.g. ``deterministic``)."""
+    import flashtile
+
+    total = sum(lens)
+    q, k, v = random_qkv(1, total, total, nheads, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t[0].requires_grad_(True) for t in (q, k, v))
+    dout = random_like(q, seed=3)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b, n in enumerate(lens):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if n == 0:
+            continue
+        parts = [t[None, s:e].detach().requires_grad_(True) for t in (q, k, v)]
+        ref = reference_attention_grads(*parts, dout[None, s:e], causal=causal)
+        low = reference_attention_grads(*parts, dout[None, s:e], upcast=False, causal=causal)
+        for name, g, r64, rlow in zip(("dq", "dk", "dv"), grads, ref[2:], low[2:]):
+            assert_close_to_reference(g[None, s:e], r64, rlow, f"{name} of sequence {b}", atol_floor=atol_floor)
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a - b|`` in float64; 0 for empty tensors."""
     if a.numel() == 0:

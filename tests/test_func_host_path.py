@@ -395,11 +395,10 @@ def test_stubbed_gluon_forward_arguments_by_name(stubbed, monkeypatch):
     assert kw["HAS_SOFTCAP"] is False and kw["HAS_ALIBI"] is False and kw["FP8"] is True
 
 
-@in_child
-@pytest.mark.parametrize("engine", ["auto", "triton"])
-@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True)])
-@pytest.mark.parametrize("case", ["full", "causal", "window", "softcap", "deterministic"])
-def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, engine, d, gqa, case):
+def _backward_three_ways(stubbed, monkeypatch, engine, d, gqa, case):
+    """The launches of a backward at head dim ``d`` under ``FLASHTILE_ENGINE=engine``: the key's
+    first call (the general way), its second (the plan, built then) and the general path
+    called directly -- asserted equal; returns the planned ones."""
     from flashtile.kernels.attention import backward
     from flashtile.kernels.attention.layout import Layout
 
@@ -414,10 +413,21 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
     backward.bwd(dout, q, k, v, out, lse, params)  # the key's first call: the general way
     backward.bwd(dout, q, k, v, out, lse, params)  # builds the plan, launches from it
     backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
-    assert len(backward.cache.plans) == 1 and next(iter(backward.cache.plans.values())) is not backward.NO_PLAN
     n = len(launches) // 3
     first, planned, general = launches[:n], launches[n:2 * n], launches[2 * n:]
     assert first == planned == general and len(launches) == 3 * n
+    return planned
+
+
+@in_child
+@pytest.mark.parametrize("engine", ["auto", "triton"])
+@pytest.mark.parametrize("d, gqa", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("case", ["full", "causal", "window", "softcap", "deterministic"])
+def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, engine, d, gqa, case):
+    from flashtile.kernels.attention import backward
+
+    planned = _backward_three_ways(stubbed, monkeypatch, engine, d, gqa, case)
+    assert len(backward.cache.plans) == 1 and next(iter(backward.cache.plans.values())) is not backward.NO_PLAN
     # 130 query rows with a mask are short masked; at d = 64 auto keeps those on tl.*.
     gluon = engine == "auto" and case != "softcap" and (d > 64 or case in ("full", "deterministic"))
     expected = ["_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
@@ -436,23 +446,7 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
 def test_stubbed_wide_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, d, gqa, case):
     """Forced Gluon above d = 128: dK and dV on the wide-head kernel, dQ on the tl.* one, the same
     launches planned or not (a padded head dim, 192, goes the general way every time)."""
-    from flashtile.kernels.attention import backward
-    from flashtile.kernels.attention.layout import Layout
-
-    launches, inputs = stubbed
-    monkeypatch.setenv("FLASHTILE_ENGINE", "gluon")
-    q, k, v = _qkv((2, 130, 4, d), (2, 300, 2 if gqa else 4, d), dtype=torch.bfloat16)
-    out, dout = torch.randn_like(q), torch.randn_like(q)
-    lse = torch.randn(2, 4, 130)
-    params = dict(_STUB_PARAMS, deterministic=AttentionParams(0.125, deterministic=True))[case]
-    inputs.update({t.data_ptr(): name for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"),
-                                                     (lse, "lse"))})
-    backward.bwd(dout, q, k, v, out, lse, params)
-    backward.bwd(dout, q, k, v, out, lse, params)
-    backward._backward(Layout(q, k), dout, q, k, v, out, lse, params, None, None)
-    n = len(launches) // 3
-    first, planned, general = launches[:n], launches[n:2 * n], launches[2 * n:]
-    assert first == planned == general and len(launches) == 3 * n
+    planned = _backward_three_ways(stubbed, monkeypatch, "gluon", d, gqa, case)
     assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_wide_kernel", "_attn_bwd_dq"]
     assert dict(planned[1][3])["HEAD_DIM"] == 256
 

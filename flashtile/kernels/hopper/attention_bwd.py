@@ -160,6 +160,29 @@ def producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, l
 
 
 @gluon.jit
+def producer_buffers(Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """What :func:`producer` fills, allocated and its barriers initialised: the key and value
+    tiles with ``kv_ready``, and the ring of Q / dO tiles and LSE / delta rows with a *ready*
+    barrier (the tiles' expect and the rows' landing) and an *empty* one (both consumers) a slot."""
+    dtype: gl.constexpr = Q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, K_desc.block_type.shape, K_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + Q_desc.block_type.shape, Q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + DO_desc.block_type.shape, DO_desc.layout)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a slot's rows (the ring index outside it)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2)
+    return k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty
+
+
+@gluon.jit
 def store_rows(ptr, base, rows, nrows, stride_row, headdim, x, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                 col_off: gl.constexpr = 0):
     """Rows ``rows`` (< ``nrows``) of a ``(rows, HEAD_DIM)`` tile at ``ptr + base``, as columns
@@ -414,13 +437,8 @@ def attention_bwd_kernel(
     dtype: gl.constexpr = Q_desc.dtype
     KEYS: gl.constexpr = CONSUMER_KEYS
     DS_BUFS: gl.constexpr = 2 if DQ_LAG else 1
-    k_smem = gl.allocate_shared_memory(dtype, K_desc.block_type.shape, K_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + Q_desc.block_type.shape, Q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + DO_desc.block_type.shape, DO_desc.layout)
-    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a slot's rows (the ring index outside it)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty = producer_buffers(
+        Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES, BLOCK_M)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     if DQ_TMA:  # each consumer's dQ share, staged for the TMA add
@@ -428,20 +446,13 @@ def attention_bwd_kernel(
     else:  # not read: a stand-in for the consumers' argument
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 8, 1, DQ_desc.block_type.shape[3]], DQ_desc.layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(2):
         mbarrier.init(dq_full.index(i), count=1)  # consumer i has staged its dQ share
         mbarrier.init(dq_empty.index(i), count=1)  # the TMA engine has read it
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers have written their rows of dS
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=2)  # the tiles' expect and the rows' landing
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem.index(0), dq_full.index(0),
@@ -546,28 +557,44 @@ def config_from_spec(head_dim_pad: int, spec: str) -> HopperBwdConfig:
     return configured(config_for, spec)(head_dim_pad)
 
 
+def operand_tiles(layout, q, k, v, dout, cfg, hd, make=descriptor) -> tuple:
+    """The descriptors of Q, K, V and dO with ``cfg``'s boxes (``make`` builds them; a plan
+    turns them into templates): the first four arguments of both backward kernels."""
+    return (layout.tiles(q, cfg.block_m, hd, make), layout.tiles(k, cfg.block_n, hd, make),
+            layout.tiles(v, cfg.block_n, hd, make), layout.tiles(dout, cfg.block_m, hd, make))
+
+
+def row_strides(t, varlen: bool) -> tuple:
+    """(batch, row, head) strides of a ``(batch, seqlen, heads, d)`` output, or of a packed
+    ``(total, heads, d)`` one (batch stride 0)."""
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, block_n) -> tuple:
+    """``(num_items, scalars)``: the work items of ``block_n``-key tiles and both backward
+    kernels' trailing arguments -- sizes, scales, the window, the item count and the causal
+    schedule's section of heads (``key_tile_work``)."""
+    num_items = cdiv(layout.seqlen_k, block_n) * layout.batch * layout.nheads_k
+    group = layout.nheads // layout.nheads_k
+    return num_items, (
+        layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, group, headdim,
+        softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
+        section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * group,
+                      layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
+    )
+
+
 def _launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, headdim, softmax_scale, window_left,
                  window_right, cfg, make=descriptor):
     """``(grid, args, options)`` of the kernel's launch: the general launcher's and a launch
     plan's sample (``make`` builds the descriptors; a plan turns them into templates)."""
     hd = padded_headdim(headdim)
-    num_items = cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k
-    if layout.varlen:
-        dq_strides = (0, dq_acc.stride(0), dq_acc.stride(1))
-        kv_strides = (0, dk.stride(0), dk.stride(1))
-    else:
-        dq_strides = (dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2))
-        kv_strides = (dk.stride(0), dk.stride(1), dk.stride(2))
+    num_items, scalars = key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, cfg.block_n)
     cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
     args = (
-        layout.tiles(q, cfg.block_m, hd, make), layout.tiles(k, cfg.block_n, hd, make),
-        layout.tiles(v, cfg.block_n, hd, make), layout.tiles(dout, cfg.block_m, hd, make),
+        *operand_tiles(layout, q, k, v, dout, cfg, hd, make),
         layout.tiles(dq_acc, cfg.block_m, hd // 2, make), dq_acc, dk, dv, lse2, delta, cu_q, cu_k,
-        *dq_strides, *kv_strides, stride_lb, stride_lh,
-        layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, headdim,
-        softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
-        section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * (layout.nheads // layout.nheads_k),
-                      layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
+        *row_strides(dq_acc, layout.varlen), *row_strides(dk, layout.varlen), stride_lb, stride_lh, *scalars,
     )
     options = dict(kernel_constexprs(cfg, hd, window_left >= 0, window_right >= 0, layout.varlen),
                    num_warps=4, maxnreg=cfg.maxnreg)

@@ -35,13 +35,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from flashtile.kernels.hopper import RegisterBudget
-from flashtile.kernels.hopper.attention_bwd import LOG2E, key_tile_work, producer, step_rows, store_rows
+from flashtile.kernels.hopper.attention_bwd import (key_tile_args, key_tile_work, operand_tiles, producer,
+                                                   producer_buffers, row_strides, step_rows, store_rows)
 from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.plans import stand_ins
-from flashtile.kernels.runtime import cdiv, l2_bytes
-from flashtile.kernels.tile_info import section_heads
+from flashtile.kernels.runtime import cdiv
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 
 # The head dims this kernel is for (above attention_bwd.MAX_HEADDIM): d / 2 columns of dK and
@@ -152,26 +152,14 @@ def attention_bwd_wide_kernel(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = Q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, K_desc.block_type.shape, K_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + Q_desc.block_type.shape, Q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + DO_desc.block_type.shape, DO_desc.layout)
-    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a slot's rows (the ring index outside it)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
+    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty = producer_buffers(
+        Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES, BLOCK_M)
     # Each consumer's P^T and dS^T of its queries (keys x BLOCK_M / 2), for the other one.
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
     p_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], x_layout)
     ds_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], x_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
     mbarrier.init(x_ready, count=2)  # both consumers have written this step's tiles
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=2)  # the tiles' expect and the rows' landing
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
 
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, p_tiles, ds_tiles, kv_ready, ready, empty,
@@ -226,18 +214,10 @@ def _launch_args(layout, q, k, v, dout, dk, dv, lse2, delta, headdim, softmax_sc
     """``(grid, args, options)`` of the kernel's launch (``make`` builds the descriptors; a plan
     turns them into templates)."""
     hd = padded_headdim(headdim)
-    num_items = cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k
-    kv_strides = (0, dk.stride(0), dk.stride(1)) if layout.varlen else (dk.stride(0), dk.stride(1), dk.stride(2))
+    num_items, scalars = key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, cfg.block_n)
     cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
-    args = (
-        layout.tiles(q, cfg.block_m, hd, make), layout.tiles(k, cfg.block_n, hd, make),
-        layout.tiles(v, cfg.block_n, hd, make), layout.tiles(dout, cfg.block_m, hd, make),
-        dk, dv, lse2, delta, cu_q, cu_k, *kv_strides, stride_lb, stride_lh,
-        layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, layout.nheads // layout.nheads_k, headdim,
-        softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
-        section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * (layout.nheads // layout.nheads_k),
-                      layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
-    )
+    args = (*operand_tiles(layout, q, k, v, dout, cfg, hd, make), dk, dv, lse2, delta, cu_q, cu_k,
+            *row_strides(dk, layout.varlen), stride_lb, stride_lh, *scalars)
     options = dict(kernel_constexprs(cfg, hd, window_left >= 0, window_right >= 0, layout.varlen),
                    num_warps=4, maxnreg=cfg.maxnreg)
     return (num_items,), args, options

@@ -181,7 +181,8 @@ def compile_softmax(direction: str, dtype: str = "bf16", log: bool = False, chun
         fn = staged.staged_softmax_bwd_kernel
         sig = {"Y_desc": box, "G_desc": box, "DX_desc": box, "S_PART": "*fp32", "ARRIVED": "*i32", **ints,
                "scale": "fp32"}
-    consts = dict(LOG=log, CHUNK_BOXES=chunk_boxes, BUFFERS=buffers, SPLITS_P2=128)
+    consts = dict(LOG=log, CHUNK_BOXES=chunk_boxes, BUFFERS=buffers, SPLITS_P2=128,
+                  BOX_LAYOUT=staged.box_registers(torch_dtype.itemsize))
     sig.update({name: "constexpr" for name in consts})
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=TARGET, options={"num_warps": staged.NUM_WARPS})

@@ -125,12 +125,21 @@ def _wait(ARRIVED, g, target):
 
 
 @gluon.jit
-def _chunk_program(n_rows, groups, splits, CHUNK_BOXES: gl.constexpr, BOX_ROWS: gl.constexpr):
-    """This program's group ``g``, chunk ``c``, its count of rows and its chunk's first inner row."""
+def _chunk_program(n_rows, groups, splits, CHUNK_BOXES: gl.constexpr, BOX_ROWS: gl.constexpr,
+                   SPLITS_P2: gl.constexpr):
+    """This program's group ``g``, chunk ``c``, its count of rows, its chunk's first inner row,
+    and the indices of its group's partials (``SPLITS_P2`` of them, ``splits`` real)."""
     pid = gl.program_id(0)
     g = pid // splits
     c = pid % splits
-    return g, c, gl.cdiv(n_rows - g, groups), c * (CHUNK_BOXES * BOX_ROWS)
+    pidx = gl.arange(0, SPLITS_P2, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    return g, c, gl.cdiv(n_rows - g, groups), c * (CHUNK_BOXES * BOX_ROWS), pidx
+
+
+@gluon.jit
+def _box_ring(desc, SLOTS: gl.constexpr):
+    """``SLOTS`` boxes of ``desc``'s shape and layout in shared memory."""
+    return gl.allocate_shared_memory(desc.dtype, [SLOTS] + desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -159,22 +168,18 @@ def _safe(m):
 @gluon.jit
 def staged_softmax_fwd_kernel(X_desc, Y_desc, M_PART, L_PART, ARRIVED, n_rows, vrows, groups, splits, scale_log2,
                               LOG: gl.constexpr, CHUNK_BOXES: gl.constexpr, BUFFERS: gl.constexpr,
-                              SPLITS_P2: gl.constexpr):
+                              SPLITS_P2: gl.constexpr, BOX_LAYOUT: gl.constexpr):
     """Program ``(g, c)`` = ``(pid // splits, pid % splits)`` holds chunk ``c`` (``CHUNK_BOXES``
     boxes) of rows ``g, g + groups, ...``; ``vrows`` is the row's count of 128-byte inner rows,
-    ``scale_log2`` the scale times log2(e)."""
+    ``scale_log2`` the scale times log2(e); ``BOX_LAYOUT`` the registers' layout of a box
+    (``box_registers``)."""
     BOX_ROWS: gl.constexpr = X_desc.block_type.shape[1]
-    INNER: gl.constexpr = X_desc.block_type.shape[2]
-    # 16 bytes a thread, 8 threads along a 128-byte inner row, 4 inner rows a warp.
-    layout: gl.constexpr = gl.BlockedLayout([1, 1, INNER // 8], [1, 4, 8], [1, gl.num_warps(), 1], [2, 1, 0])
-    part_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    g, c, rounds, v0 = _chunk_program(n_rows, groups, splits, CHUNK_BOXES, BOX_ROWS)
-
-    bufs = gl.allocate_shared_memory(X_desc.dtype, [BUFFERS * CHUNK_BOXES, 1, BOX_ROWS, INNER], X_desc.layout)
+    layout: gl.constexpr = BOX_LAYOUT
+    g, c, rounds, v0, pidx = _chunk_program(n_rows, groups, splits, CHUNK_BOXES, BOX_ROWS, SPLITS_P2)
+    bufs = _box_ring(X_desc, BUFFERS * CHUNK_BOXES)
     ready = _ready_barriers(BUFFERS * CHUNK_BOXES)
     vr = gl.arange(0, BOX_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
     vr = gl.expand_dims(gl.expand_dims(vr, 0), 2) + v0  # the box's first inner rows, [1, BOX_ROWS, 1]
-    pidx = gl.arange(0, SPLITS_P2, layout=part_layout)
 
     if rounds > 0:
         _load_chunk(X_desc, bufs, ready, 0, g, v0, CHUNK_BOXES, BOX_ROWS)
@@ -236,22 +241,17 @@ def staged_softmax_fwd_kernel(X_desc, Y_desc, M_PART, L_PART, ARRIVED, n_rows, v
 @gluon.jit
 def staged_softmax_bwd_kernel(Y_desc, G_desc, DX_desc, S_PART, ARRIVED, n_rows, vrows, groups, splits, scale,
                               LOG: gl.constexpr, CHUNK_BOXES: gl.constexpr, BUFFERS: gl.constexpr,
-                              SPLITS_P2: gl.constexpr):
+                              SPLITS_P2: gl.constexpr, BOX_LAYOUT: gl.constexpr):
     """The backward, with the forward's launch shape: chunks of ``y`` and ``g`` staged side by
     side, the row sum ``s`` (``sum(g * y)``; log-softmax ``sum(g)``) merged through ``S_PART``,
     then ``dx = scale * y * (g - s)`` (log-softmax ``scale * (g - exp(y) * s)``) written over
     ``y``'s boxes and stored."""
     BOX_ROWS: gl.constexpr = Y_desc.block_type.shape[1]
-    INNER: gl.constexpr = Y_desc.block_type.shape[2]
-    # 16 bytes a thread, 8 threads along a 128-byte inner row, 4 inner rows a warp.
-    layout: gl.constexpr = gl.BlockedLayout([1, 1, INNER // 8], [1, 4, 8], [1, gl.num_warps(), 1], [2, 1, 0])
-    part_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    g, c, rounds, v0 = _chunk_program(n_rows, groups, splits, CHUNK_BOXES, BOX_ROWS)
-
-    y_bufs = gl.allocate_shared_memory(Y_desc.dtype, [BUFFERS * CHUNK_BOXES, 1, BOX_ROWS, INNER], Y_desc.layout)
-    g_bufs = gl.allocate_shared_memory(G_desc.dtype, [BUFFERS * CHUNK_BOXES, 1, BOX_ROWS, INNER], G_desc.layout)
+    layout: gl.constexpr = BOX_LAYOUT
+    g, c, rounds, v0, pidx = _chunk_program(n_rows, groups, splits, CHUNK_BOXES, BOX_ROWS, SPLITS_P2)
+    y_bufs = _box_ring(Y_desc, BUFFERS * CHUNK_BOXES)
+    g_bufs = _box_ring(G_desc, BUFFERS * CHUNK_BOXES)
     ready = _ready_barriers(BUFFERS * CHUNK_BOXES)
-    pidx = gl.arange(0, SPLITS_P2, layout=part_layout)
 
     if rounds > 0:
         _load_chunk(Y_desc, y_bufs, ready, 0, g, v0, CHUNK_BOXES, BOX_ROWS, G_desc, g_bufs)
@@ -312,6 +312,13 @@ def box_layout(torch_dtype: torch.dtype):
                                                 _GL_DTYPES[torch_dtype])
 
 
+@functools.lru_cache(maxsize=None)
+def box_registers(elem_bytes: int):
+    """The registers' layout of a box: 16 bytes a thread, 8 threads along a 128-byte inner row,
+    4 inner rows a warp, the ``NUM_WARPS`` warps down the box."""
+    return gl.BlockedLayout([1, 1, 16 // elem_bytes], [1, 4, 8], [1, NUM_WARPS, 1], [2, 1, 0])
+
+
 def _view_descriptor(t: torch.Tensor, n_rows: int, n_cols: int, row_stride: int) -> TensorDescriptor:
     inner = inner_cols(t.element_size())
     return TensorDescriptor(t, [n_rows, n_cols // inner, inner], [row_stride, inner, 1], [1, BOX_ROWS, inner],
@@ -333,8 +340,8 @@ def _launch(kernel, p: StagedPlan, descs, parts, n_rows, n_cols, elem_bytes, sca
     try:
         kernel[(p.programs,)](*descs, *parts, arrived, n_rows, n_cols // inner_cols(elem_bytes), p.groups,
                               p.splits, scalar, LOG=log, CHUNK_BOXES=p.chunk_boxes, BUFFERS=p.buffers,
-                              SPLITS_P2=max(2, next_power_of_2(p.splits)), num_warps=NUM_WARPS,
-                              launch_cooperative_grid=True)
+                              SPLITS_P2=max(2, next_power_of_2(p.splits)), BOX_LAYOUT=box_registers(elem_bytes),
+                              num_warps=NUM_WARPS, launch_cooperative_grid=True)
     except RuntimeError as e:  # e.g. SMs taken by a green context or MPS limit: the other paths
         if "cooperative" not in str(e).lower():
             raise

@@ -9,7 +9,8 @@ own error in the input dtype, plus a floor.
 import pytest
 import torch
 
-from helpers import assert_close_to_reference, is_hopper, random_like, random_qkv, reference_attention_grads
+from helpers import (assert_close_to_reference, assert_packed_grads_match_per_sequence, is_hopper, random_like,
+                     random_qkv, reference_attention_grads)
 
 import flashtile
 
@@ -114,23 +115,8 @@ def test_gluon_varlen_backward_matches_dense_per_sequence(causal, config, monkey
         _use_config(monkeypatch, config)
     # Zero-length and one-row sequences, and sequences whose last key tile is partial (so the
     # next packed sequence's keys sit in it and must stay masked).
-    lens = [0, 1, 17, 300, 1000, 129]
-    q, k, v = random_qkv(1, sum(lens), sum(lens), 4, 2, 128, dtype=torch.bfloat16, device="cuda")
-    q, k, v = (t[0].requires_grad_(True) for t in (q, k, v))
-    dout = random_like(q, seed=3)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+    assert_packed_grads_match_per_sequence([0, 1, 17, 300, 1000, 129], 4, 2, 128, causal,
                                            deterministic=deterministic)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    for b, n in enumerate(lens):
-        s, e = int(cu[b]), int(cu[b + 1])
-        if n == 0:
-            continue
-        parts = [t[None, s:e].detach().requires_grad_(True) for t in (q, k, v)]
-        ref = reference_attention_grads(*parts, dout[None, s:e], causal=causal)
-        low = reference_attention_grads(*parts, dout[None, s:e], upcast=False, causal=causal)
-        for name, g, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:], low[2:]):
-            assert_close_to_reference(g[None, s:e], r64, rlow, f"{name} of sequence {b}", atol_floor=1e-2)
 
 
 @needs_hopper

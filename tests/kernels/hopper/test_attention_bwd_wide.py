@@ -9,7 +9,8 @@ backward tests' (``helpers.assert_close_to_reference``).
 import pytest
 import torch
 
-from helpers import assert_close_to_reference, is_hopper, random_like, random_qkv, reference_attention_grads
+from helpers import (assert_close_to_reference, assert_packed_grads_match_per_sequence, is_hopper, random_like,
+                     random_qkv, reference_attention_grads)
 
 import flashtile
 
@@ -68,22 +69,7 @@ def test_wide_backward_matches_reference(case, dtype, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_wide_varlen_backward_matches_dense_per_sequence(causal):
     # Zero-length and one-row sequences, and sequences whose last key tile is partial.
-    lens = [0, 1, 17, 300, 1000, 65]
-    q, k, v = random_qkv(1, sum(lens), sum(lens), 4, 2, 256, dtype=torch.bfloat16, device="cuda")
-    q, k, v = (t[0].requires_grad_(True) for t in (q, k, v))
-    dout = random_like(q, seed=3)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    for b, n in enumerate(lens):
-        s, e = int(cu[b]), int(cu[b + 1])
-        if n == 0:
-            continue
-        parts = [t[None, s:e].detach().requires_grad_(True) for t in (q, k, v)]
-        ref = reference_attention_grads(*parts, dout[None, s:e], causal=causal)
-        low = reference_attention_grads(*parts, dout[None, s:e], upcast=False, causal=causal)
-        for name, g, r64, rlow in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:], low[2:]):
-            assert_close_to_reference(g[None, s:e], r64, rlow, f"{name} of sequence {b}", atol_floor=1e-2)
+    assert_packed_grads_match_per_sequence([0, 1, 17, 300, 1000, 65], 4, 2, 256, causal)
 
 
 @needs_hopper
