@@ -2,7 +2,10 @@
 
 For each shape (bf16, ``batch * N = 16k``, ``heads * d = 2048``) times forward + backward with
 ``triton.testing.do_bench`` twice -- the default call and ``deterministic=True`` -- and reports
-the ratio, with the engine each backward ran on.  Then, at ``--repeat-shape``, runs the
+the ratio, with the engine each backward ran on; where the backward is the Gluon one, a third
+time with its dQ pass on the Gluon dQ kernel (``attention_bwd_dq``, which
+``engine.separate_dq_engine`` keeps for head dims above 128 until measured here) instead of the
+``tl.*`` one (``flashtile_deterministic_gluon_dq``).  Then, at ``--repeat-shape``, runs the
 deterministic forward + backward ``--repeats`` times on the same inputs and counts the
 repeats whose dQ, dK or dV differ in any bit from the first (``differing``: 0 is the claim).
 One JSON object a line (``--out``), and a plot beside it (the ``.png`` of the same name)::
@@ -19,6 +22,7 @@ import torch
 import flashtile
 from flashtile.bench.common import environment, save_figure, save_records, shape_sweep, subplots
 from flashtile.bench.gpu import attention_flops, time_attention
+from flashtile.kernels import engine
 from flashtile.kernels.engine import SHORT_MASKED_BACKWARD_ROWS, backward_engine, short_masked
 
 
@@ -98,9 +102,19 @@ def main():
                             "bwd_path": backward_engine(q, k, short=short_masked(n, -1, 0 if causal else -1,
                                                                                SHORT_MASKED_BACKWARD_ROWS)),
                             **env})
-        print(f"d={d} causal={int(causal)} N={n:5d} default {flops / ms[False] / 1e9:6.1f} "
-              f"({records[-2]['bwd_path']}), deterministic {flops / ms[True] / 1e9:6.1f} "
-              f"({records[-1]['bwd_path']}) TFLOP/s, ratio {ms[False] / ms[True]:.3f}", flush=True)
+        line = (f"d={d} causal={int(causal)} N={n:5d} default {flops / ms[False] / 1e9:6.1f} "
+                f"({records[-2]['bwd_path']}), deterministic {flops / ms[True] / 1e9:6.1f} "
+                f"({records[-1]['bwd_path']}) TFLOP/s, ratio {ms[False] / ms[True]:.3f}")
+        if records[-1]["bwd_path"] == "gluon":
+            saved, engine.GLUON_DQ_MIN_HEADDIM = engine.GLUON_DQ_MIN_HEADDIM, 0
+            try:
+                ms_dq = time_attention(_fn(causal, True), "fwd_bwd", q, k, v)
+            finally:
+                engine.GLUON_DQ_MIN_HEADDIM = saved
+            records.append({**records[-1], "impl": "flashtile_deterministic_gluon_dq", "ms": ms_dq,
+                            "tflops": flops / (ms_dq * 1e-3) / 1e12})
+            line += f"; with the Gluon dQ pass {flops / ms_dq / 1e9:6.1f}, ratio {ms[False] / ms_dq:.3f}"
+        print(line, flush=True)
     n, d, causal = args.repeat_shape
     differing = differing_repeats(n, d, bool(causal), args.repeats)
     print(f"bitwise: {differing} of {args.repeats - 1} repeats differ from the first (N={n}, d={d}, causal={causal})")

@@ -6,7 +6,9 @@ flashtile row):
 
 * ``gluon`` -- the Gluon backward with its default tiles, and ``gluon:<config>`` variants
   (``--variants``: ``attention_bwd.config_from_spec`` specs, keywords joined by ``+``, e.g.
-  ``num_stages=3``; default: the configurations in ``attention_bwd.ALTERNATIVES``);
+  ``num_stages=3``; ``dq:<spec>`` / ``wide:<spec>`` change the dQ pass's
+  (``attention_bwd_dq``) or the wide-head dK / dV kernel's (``attention_bwd_wide``)
+  configuration instead; default: the configurations in ``attention_bwd.ALTERNATIVES``);
 * ``triton`` -- the ``tl.*`` dK/dV and dQ kernels;
 * ``sdpa_cudnn`` -- PyTorch SDPA pinned to cuDNN.
 
@@ -26,17 +28,27 @@ import torch
 from flashtile.bench.common import environment, save_figure, save_records, shape_sweep, subplots
 from flashtile.bench.gpu import attention_flops, impl_fn, time_attention
 from flashtile.kernels.engine import ENGINE_ENV
-from flashtile.kernels.hopper import attention_bwd, configured
+from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide, configured
+
+# The kernel module whose ``config_for`` a variant's prefix changes (none: ``attention_bwd``).
+VARIANT_MODULES = {"dq": attention_bwd_dq, "wide": attention_bwd_wide}
+
+
+def _variant(variant):
+    """``(module, spec)`` of a ``--variants`` entry."""
+    prefix, _, spec = variant.rpartition(":")
+    return VARIANT_MODULES[prefix] if prefix else attention_bwd, spec
 
 
 def _timed(impl, variant, causal, q, k, v):
     """Milliseconds of forward + backward for one implementation (and Gluon variant)."""
     if impl == "sdpa_cudnn":
         return time_attention(impl_fn(impl, causal, q.shape[-1]), "fwd_bwd", q, k, v)
-    saved_env, saved_cfg = os.environ.get(ENGINE_ENV), attention_bwd.config_for
+    module, spec = _variant(variant)
+    saved_env, saved_cfg = os.environ.get(ENGINE_ENV), module.config_for
     os.environ[ENGINE_ENV] = impl
-    if variant:
-        attention_bwd.config_for = configured(saved_cfg, variant)
+    if spec:
+        module.config_for = configured(saved_cfg, spec)
     try:
         if impl == "triton":  # the Gluon forward, the tl.* backward
             fwd = impl_fn("flashtile", causal, q.shape[-1])
@@ -50,7 +62,7 @@ def _timed(impl, variant, causal, q, k, v):
             return time_attention(fn, "fwd_bwd", q, k, v)
         return time_attention(impl_fn("flashtile", causal, q.shape[-1]), "fwd_bwd", q, k, v)
     finally:
-        attention_bwd.config_for = saved_cfg
+        module.config_for = saved_cfg
         if saved_env is None:
             os.environ.pop(ENGINE_ENV, None)
         else:

@@ -33,3 +33,16 @@ def test_plot_draws_each_shapes_own_variants(tmp_path):
     assert path.stat().st_size > 1000
     # One bar per record: no empty slot for a variant that a shape did not measure.
     assert len(drawn[0].axes[0].patches) == len(records)
+
+
+def test_a_variants_prefix_names_the_kernel_whose_configuration_it_changes():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide
+
+    bench = _bench()
+    assert bench._variant("dq_lag=0") == (attention_bwd, "dq_lag=0")
+    assert bench._variant("dq:k_stages=2") == (attention_bwd_dq, "k_stages=2")
+    assert bench._variant("wide:num_stages=1") == (attention_bwd_wide, "num_stages=1")
+    assert bench._variant("") == (attention_bwd, "")
+    with pytest.raises(KeyError):
+        bench._variant("nope:block_n=64")

@@ -286,7 +286,7 @@ def stubbed(monkeypatch):
 
     from flashtile.kernels import launch as launch_mod
     from flashtile.kernels.attention import backward, forward
-    from flashtile.kernels.hopper import attention_bwd, attention_bwd_wide, attention_fwd
+    from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide, attention_fwd
 
     launches, inputs = [], {}
 
@@ -297,7 +297,7 @@ def stubbed(monkeypatch):
     def recording(kernel, grid, args, options, dynamic=()):
         launches.append((kernel.fn.__name__, grid, _describe(args, inputs), sorted(options.items())))
 
-    for module in (forward, attention_fwd, backward, attention_bwd, attention_bwd_wide):
+    for module in (forward, attention_fwd, backward, attention_bwd, attention_bwd_wide, attention_bwd_dq):
         monkeypatch.setattr(module, "launch", recording)
     monkeypatch.setattr(launch_mod.BoundLaunch, "__call__",
                         lambda self, head: recording(self.kernel, self.grid, self.arguments(head), self.options))
@@ -444,11 +444,17 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
 @pytest.mark.parametrize("d, gqa", [(256, False), (256, True), (192, True)])
 @pytest.mark.parametrize("case", ["full", "causal", "window", "deterministic"])
 def test_stubbed_wide_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, d, gqa, case):
-    """Forced Gluon above d = 128: dK and dV on the wide-head kernel, dQ on the tl.* one, the same
-    launches planned or not (a padded head dim, 192, goes the general way every time)."""
+    """Forced Gluon above d = 128: dK and dV on the wide-head kernel, dQ on the Gluon dQ kernel, the
+    same launches planned or not (a padded head dim, 192, goes the general way every time)."""
     planned = _backward_three_ways(stubbed, monkeypatch, "gluon", d, gqa, case)
-    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_wide_kernel", "_attn_bwd_dq"]
-    assert dict(planned[1][3])["HEAD_DIM"] == 256
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_wide_kernel", "attention_bwd_dq_kernel"]
+    assert dict(planned[1][3])["HEAD_DIM"] == dict(planned[2][3])["HEAD_DIM"] == 256
+    # The dQ pass reads the preprocess's rows and writes a fresh dQ of q's shape and dtype.
+    _name, grid, args, options = planned[2]
+    dq, lse2, delta = args[4:7]
+    assert dq[:3] == ("tensor", torch.bfloat16, (2, 130, 4, d)) and dq[4] == "fresh"
+    assert lse2[1] == delta[1] == torch.float32 and lse2[2] == delta[2] == (2, 4, 130)
+    assert grid[0] <= 132 and dict(options)["MASK_RIGHT"] == (case in ("causal", "window"))
 
 
 @in_child

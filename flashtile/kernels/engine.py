@@ -14,7 +14,7 @@ Two engines compute the same attention on CUDA tensors:
 The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi), which
 ``auto`` takes where it can run the call, except at head dims up to 64 for short masked calls
 (``backward_engine``); head dims 129-256 have a Gluon dK / dV kernel (``attention_bwd_wide``,
-dQ on ``tl.*``) that runs only when ``gluon`` is forced, until it has been measured.
+dQ from ``attention_bwd_dq``) that runs only when ``gluon`` is forced, until it has been measured.
 The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
 the ``tl.*`` one (``fp8_forward_engine``).
 
@@ -49,13 +49,28 @@ ENGINE_ENV = ENGINE_KNOBS.env_var
 # run to the Gluon kernel; at 64 and below not the short masked ones, where the ``tl.*``
 # backward measured as fast or faster (docs/tuning.md).
 GLUON_HEADDIMS = (33, 256)
+# The Gluon kernels address a head's LSE rows as ``head * rows`` in 32-bit arithmetic (the
+# 64-bit product costs registers the forward does not have to spare: offline ptxas, d = 128
+# causal with one query buffer, 44 bytes spilled against 40): calls with more (query row,
+# head) pairs than this take the ``tl.*`` kernels, whose LSE addresses are 64-bit.
+GLUON_MAX_QUERY_ROWS = 2**31 - 1
 GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128 split by
 # keys between its consumers (``attention_bwd``), up to 256 by columns (``attention_bwd_wide``,
-# dQ on ``tl.*``).  ``auto`` takes the latter only once it has been measured against the
+# dQ in a second pass, ``attention_bwd_dq``).  ``auto`` takes the latter only once it has been measured against the
 # ``tl.*`` backward: until then it runs when forced.
 GLUON_BACKWARD_MAX_HEADDIM = 256
 GLUON_BACKWARD_AUTO_MAX_HEADDIM = 128
+# A Gluon backward whose dK / dV kernel computes no dQ (``attention_bwd.returns_dq_workspace``)
+# takes dQ from the Gluon dQ kernel (``attention_bwd_dq``) from this padded head dim on (the
+# wide heads, themselves forced only), and from the ``tl.*`` dQ kernel below it (the
+# deterministic calls up to d = 128, whose speed was measured with it; docs/tuning.md).
+GLUON_DQ_MIN_HEADDIM = 129
+
+
+def separate_dq_engine(head_dim_pad: int) -> str:
+    """``"gluon"`` or ``"triton"``: the kernel of a Gluon backward's separate dQ pass."""
+    return "gluon" if head_dim_pad >= GLUON_DQ_MIN_HEADDIM else "triton"
 
 
 def requested_engine() -> str:
@@ -104,6 +119,8 @@ def gluon_forward_reason(q: torch.Tensor, k: torch.Tensor, dropout, paged: bool 
     lo, hi = GLUON_HEADDIMS
     if not lo <= q.shape[-1] <= hi:
         return f"head dim {q.shape[-1]} (the Gluon forward takes {lo}-{hi})"
+    if q.numel() // q.shape[-1] > GLUON_MAX_QUERY_ROWS:
+        return f"{q.numel() // q.shape[-1]} (query row, head) pairs (the Gluon kernels take up to 2^31 - 1)"
     if k.dim() == 4 and k.shape[1] == 0:
         return "no keys (a TMA descriptor needs a non-empty tensor)"
     if paged:
@@ -250,6 +267,8 @@ def fp8_forward_engine(q: torch.Tensor) -> str:
         reason = gluon_device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if reason is None and q.shape[-1] > GLUON_FP8_MAX_HEADDIM:
         reason = f"head dim {q.shape[-1]} (the Gluon FP8 forward takes up to {GLUON_FP8_MAX_HEADDIM})"
+    if reason is None and q.numel() // max(q.shape[-1], 1) > GLUON_MAX_QUERY_ROWS:
+        reason = f"{q.numel() // q.shape[-1]} (query row, head) pairs (the Gluon kernels take up to 2^31 - 1)"
     if reason is not None:
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon FP8 forward cannot run this call: {reason}")
     return "gluon"

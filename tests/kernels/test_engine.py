@@ -43,6 +43,40 @@ def test_reasons_cover_what_the_gluon_forward_lacks():
     assert "CUDA" in engine.gluon_forward_reason(q, q, None)
 
 
+class _HopperStandIn:
+    """What the engine reads of a CUDA tensor on an sm_90 GPU, for any shape (no memory)."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+
+    def __init__(self, *shape):
+        self.shape = torch.Size(shape)
+        self.device = torch.device("cuda", 0)
+
+    def dim(self):
+        return len(self.shape)
+
+    def numel(self):
+        return self.shape.numel()
+
+
+def test_calls_beyond_32_bit_lse_rows_take_the_tl_kernels(monkeypatch):
+    # The Gluon kernels address (query row, head) pairs of the LSE in 32 bits; the tl.* ones in 64.
+    monkeypatch.setattr(engine, "gluon_device_reason", lambda index: None)
+    k = _HopperStandIn(1, 16, 1, 64)
+    assert engine.gluon_forward_reason(_HopperStandIn(1, 2**25 - 1, 64, 64), k, None) is None
+    reason = engine.gluon_forward_reason(_HopperStandIn(1, 2**25, 64, 64), k, None)
+    assert "2147483648 (query row, head) pairs" in reason
+    assert "pairs" in engine.gluon_backward_reason(_HopperStandIn(2**25, 64, 64), k, None, 0.0, None)  # packed
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    with pytest.raises(NotImplementedError, match="pairs"):
+        engine.forward_engine(_HopperStandIn(1, 2**25, 64, 64), k)
+    with pytest.raises(NotImplementedError, match="pairs"):
+        engine.fp8_forward_engine(_HopperStandIn(1, 2**26, 32, 64))
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    assert engine.forward_engine(_HopperStandIn(1, 2**25, 64, 64), k) == "triton"
+
+
 def test_backward_off_hopper_takes_the_tl_kernels_unless_gluon_is_forced(monkeypatch):
     q = torch.zeros(1, 4, 2, 128)
     for value in ("auto", "triton"):

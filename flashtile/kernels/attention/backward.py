@@ -15,7 +15,8 @@ Like the forward, each pass walks its tiles in up to three runs (``query_tiles``
 calls), steps 2 and 3 run as the Gluon kernel of
 ``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
 and step 3 as here; at head dims 129-256, when the Gluon engine is forced, step 2 alone as
-``attention_bwd_wide.py`` and step 3 as here).
+``attention_bwd_wide.py`` and step 3 as the Gluon ``attention_bwd_dq.py``:
+``engine.separate_dq_engine``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import SHORT_MASKED_BACKWARD_ROWS, backward_engine, engine_setting, short_masked
+from flashtile.kernels.engine import (SHORT_MASKED_BACKWARD_ROWS, backward_engine, engine_setting, separate_dq_engine,
+                                      short_masked)
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import key_tiles, query_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
@@ -60,7 +62,7 @@ def _bwd_preprocess(
                 mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :],
                  mask=mask, other=0.0).to(tl.float32)
-    row_base = b.to(tl.int64) * stride_lb + h * stride_lh + q_start  # LSE / D / dropout-RNG row
+    row_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start  # LSE / D / dropout-RNG row
     row = row_base + offs_m
     delta = tl.sum(o * do, axis=1)
     if HAS_DLSE:
@@ -154,7 +156,7 @@ def _attn_bwd_dkdv(
     # contributions here gives dK/dV without atomics or a K/V copy.
     for g in range(0, group):
         h = hk * group + g
-        rows = batch.to(tl.int64) * stride_lb + h * stride_lh + q_start  # this head's LSE / D rows
+        rows = batch.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start  # this head's LSE / D rows
         slope_log2 = alibi_slope_log2(ALIBI, stride_ab, batch, h, HAS_ALIBI)
         mods = (qk_scale, softcap_scale, softcap_log2, slope_log2)  # per head: its ALiBi slope
         if MASK_RIGHT:
@@ -219,7 +221,7 @@ def _attn_bwd_dq(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     slope_log2 = alibi_slope_log2(ALIBI, stride_ab, b, h, HAS_ALIBI)
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, VARLEN)
-    row_base = b.to(tl.int64) * stride_lb + h * stride_lh + q_start  # LSE / D / dropout-RNG row
+    row_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start  # LSE / D / dropout-RNG row
     row = row_base + offs_m
     if VARLEN:
         if m0 >= seqlen_q:
@@ -371,10 +373,16 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
         dq_acc, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
                                                   params.window_left, params.window_right,
                                                   deterministic=params.deterministic)
-        if dq_acc is None:  # deterministic or wide heads: dK and dV alone; dQ from the tl.* kernel (programs own rows)
-            dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
-            cfg_q = bwd_config(hd, q.dtype, params.window_right >= 0)[1]
-            launch(*_dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params, cfg_q))
+        if dq_acc is None:  # deterministic or wide heads: dK and dV alone; dQ in a pass whose programs own rows
+            if separate_dq_engine(hd) == "gluon":
+                from flashtile.kernels.hopper import attention_bwd_dq
+
+                dq_ = attention_bwd_dq.backward_dq(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
+                                                   params.window_left, params.window_right)
+            else:
+                dq_ = torch.empty(q_.shape, dtype=q.dtype, device=q.device)
+                cfg_q = bwd_config(hd, q.dtype, params.window_right >= 0)[1]
+                launch(*_dq_launch(layout, q_, k_, v_, do_, dq_, lse2, delta, lse, params, cfg_q))
             return unpad(dq_, d), unpad(dk_, d), unpad(dv_, d)
         del lse2, delta  # read: dQ's conversion is the peak of memory
         return dq_from_workspace(dq_acc, d, params.softmax_scale, q.dtype), unpad(dk_, d), unpad(dv_, d)
@@ -412,7 +420,9 @@ def _config_functions() -> tuple:
     hopper = sys.modules.get("flashtile.kernels.hopper.attention_bwd")
     if hopper is None:
         return (bwd_config,)
-    return bwd_config, hopper.config_for, hopper.deterministic_config
+    from flashtile.kernels.hopper import attention_bwd_dq
+
+    return bwd_config, hopper.config_for, hopper.deterministic_config, attention_bwd_dq.config_for
 
 
 
@@ -475,13 +485,22 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
                                                    params.softmax_scale, params.window_left, params.window_right,
                                                    params.deterministic)
 
+        gluon_dq = None  # deterministic or wide heads: dQ in a separate pass, as the general path's
+        if not attention_bwd.returns_dq_workspace(d, params.deterministic) and separate_dq_engine(d) == "gluon":
+            from flashtile.kernels.hopper import attention_bwd_dq
+
+            gluon_dq = attention_bwd_dq.dense_plan(layout, q, k, v, dout, sample_lse2, sample_delta,
+                                                   params.softmax_scale, params.window_left, params.window_right)
+
         def gradients(q, k, v, dout, lse2, delta, lse):
             dq_acc, dk_, dv_ = gluon_gradients(q, k, v, dout, lse2, delta)
-            if dq_acc is None:  # deterministic or wide heads: dQ from the tl.* kernel, as the general path
-                dq_ = torch.empty(*shapes[0], dtype=dtype, device=device)
-                dq((q, k, v, dout, dq_, dq_, lse2, delta, lse, stride_ab, lse, lse))
-                return dq_, dk_, dv_
-            return dq_acc, dk_, dv_
+            if dq_acc is not None:
+                return dq_acc, dk_, dv_
+            if gluon_dq is not None:
+                return gluon_dq(q, k, v, dout, lse2, delta), dk_, dv_
+            dq_ = torch.empty(*shapes[0], dtype=dtype, device=device)
+            dq((q, k, v, dout, dq_, dq_, lse2, delta, lse, stride_ab, lse, lse))
+            return dq_, dk_, dv_
 
         if attention_bwd.returns_dq_workspace(d, params.deterministic):
             finish = functools.partial(dq_from_workspace, headdim=d,

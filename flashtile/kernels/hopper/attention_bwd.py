@@ -526,7 +526,7 @@ MAX_HEADDIM = 128
 
 def returns_dq_workspace(head_dim_pad: int, deterministic: bool) -> bool:
     """Whether :func:`backward` (and a :func:`dense_plan`) computes dQ, as an fp32 workspace; else
-    it returns None for it and the caller runs the ``tl.*`` dQ kernel."""
+    it returns None for it and the caller runs a separate dQ pass (``engine.separate_dq_engine``)."""
     return not deterministic and head_dim_pad <= MAX_HEADDIM
 
 

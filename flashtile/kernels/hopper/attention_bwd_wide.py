@@ -15,9 +15,10 @@ program owns one ``BLOCK_N = 64``-key tile and both consumers work on all of its
 
 So each score product is computed once and each consumer holds ``2 * d / 2 * 64`` fp32
 accumulators (128 registers a thread at d = 256).  The producer warp and the masks, tile
-ranges and work order are ``attention_bwd``'s.  There is no dQ here: as for a
-``deterministic=True`` call, the ``tl.*`` dQ kernel computes it (``backward.py``), so these
-calls are bitwise reproducible whether or not ``deterministic`` asks for it.
+ranges and work order are ``attention_bwd``'s.  There is no dQ here: a second pass whose
+programs own query rows computes it (``attention_bwd_dq``, chosen by
+``engine.separate_dq_engine`` in ``backward.py``), so these calls are bitwise reproducible
+whether or not ``deterministic`` asks for it.
 
 A consumer rewrites its exchange tiles in step ``c`` only after both consumers released step
 ``c - 1``'s ring slot, which they do once that step's products -- the tiles' last readers --

@@ -103,12 +103,36 @@ def work_item(t, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_s
 
 
 @gluon.jit
+def load_key_tile(K_desc, V_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, count, b, row, hk,
+                  FP8: gl.constexpr):
+    """Tile ``count`` of the key stream (keys ``row ...`` of (batch entry ``b``, kv head ``hk``)):
+    K into slot ``count % K_STAGES`` of its ring and V into slot ``count % V_STAGES`` of its
+    own (the rings' depths are the buffers'), each once every consumer has released the slot's
+    previous tile.  FP8 reads V transposed, ``(batch, nheads_k, headdim, seqlen_k)``."""
+    K_STAGES: gl.constexpr = k_bufs.shape[0]
+    V_STAGES: gl.constexpr = v_bufs.shape[0]
+    k_slot = count % K_STAGES
+    # An mbarrier starts with its "previous" phase complete: the first waits pass.
+    mbarrier.wait(k_empty.index(k_slot), ((count // K_STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(k_slot), K_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(K_desc, [b, row, hk, 0], k_ready.index(k_slot), k_bufs.index(k_slot))
+    v_slot = count % V_STAGES
+    mbarrier.wait(v_empty.index(v_slot), ((count // V_STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(v_slot), V_desc.block_type.nbytes)
+    if FP8:
+        v_coord = [b, hk, 0, row]
+    else:
+        v_coord = [b, row, hk, 0]
+    tma.async_copy_global_to_shared(V_desc, v_coord, v_ready.index(v_slot), v_bufs.index(v_slot))
+
+
+@gluon.jit
 def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, FP8: gl.constexpr):
     """Per work item: the query tile into buffer ``it % Q_BUFFERS`` once it is free (with two,
     the next item's tile loads while the consumers still work on this one), then K_j and V_j
     into ring slot ``count % NUM_STAGES`` once every consumer has released it (``count`` runs
-    across items).  FP8 reads V transposed, ``(batch, nheads_k, headdim, seqlen_k)``."""
+    across items; ``load_key_tile``)."""
     (Q_desc, K_desc, V_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
      section_heads) = args
@@ -135,19 +159,8 @@ def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl
                 tma.async_copy_global_to_shared(Q_desc, [b, q_start + m0 + i * (BLOCK_M // QUERY_BOXES), h, 0],
                                                 q_ready.index(qb), q_bufs.index(qb * QUERY_BOXES + i))
             for j in range(n_tiles):
-                slot = count % NUM_STAGES
-                free_phase = ((count // NUM_STAGES) & 1) ^ 1
-                row = k_start + lo + j * BLOCK_N
-                mbarrier.wait(k_empty.index(slot), free_phase)
-                mbarrier.expect(k_ready.index(slot), K_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(K_desc, [b, row, hk, 0], k_ready.index(slot), k_bufs.index(slot))
-                mbarrier.wait(v_empty.index(slot), free_phase)
-                mbarrier.expect(v_ready.index(slot), V_desc.block_type.nbytes)
-                if FP8:
-                    v_coord = [b, hk, 0, row]
-                else:
-                    v_coord = [b, row, hk, 0]
-                tma.async_copy_global_to_shared(V_desc, v_coord, v_ready.index(slot), v_bufs.index(slot))
+                load_key_tile(K_desc, V_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, count,
+                              b, k_start + lo + j * BLOCK_N, hk, FP8)
                 count += 1
 
 
@@ -186,20 +199,20 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
 
 
 @gluon.jit
-def pass_tiles(first, end, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, NUM_STAGES: gl.constexpr,
-               PINGPONG: gl.constexpr):
+def pass_tiles(first, end, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG: gl.constexpr):
     """Ring counts ``[first, end)``: key tiles of the item that this consumer's rows do not see.
-    It takes each tile's turn and hands it on at once, and releases the slot once the tile has
-    arrived -- before that, the release would count towards the slot's previous use."""
+    It takes each tile's turn and hands it on at once, and releases the slots once the tile has
+    arrived -- before that, the release would count towards the slot's previous use.  The K and
+    V rings' depths are their barrier arrays' (``load_key_tile``)."""
+    K_STAGES: gl.constexpr = k_ready.shape[0]
+    V_STAGES: gl.constexpr = v_ready.shape[0]
     for c in range(first, end):
-        slot = c % NUM_STAGES
-        phase = (c // NUM_STAGES) & 1
         issue_turn(my_turn, c, PINGPONG)
         hand_turn(their_turn, PINGPONG)
-        mbarrier.wait(k_ready.index(slot), phase)
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        mbarrier.wait(v_ready.index(slot), phase)
-        mbarrier.arrive(v_empty.index(slot), count=1)
+        mbarrier.wait(k_ready.index(c % K_STAGES), (c // K_STAGES) & 1)
+        mbarrier.arrive(k_empty.index(c % K_STAGES), count=1)
+        mbarrier.wait(v_ready.index(c % V_STAGES), (c // V_STAGES) & 1)
+        mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
 
 
 @gluon.jit
@@ -301,8 +314,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
             if m0 + row_off >= sq:
                 n_mine = 0
             after = n_tiles - before - n_mine
-            pass_tiles(count, count + before, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, NUM_STAGES,
-                       PINGPONG)
+            pass_tiles(count, count + before, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG)
             count += before
             if n_mine > 0:
                 # Tile 0: scores only; its P V joins the next step's GEMMs.
@@ -368,8 +380,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 acc = pv
             else:
                 mbarrier.arrive(q_empty_b, count=1)
-            pass_tiles(count, count + after, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, NUM_STAGES,
-                       PINGPONG)
+            pass_tiles(count, count + after, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG)
             count += after
 
             # Deferred normalisation: one reciprocal per row; an empty row (l = 0) is selected

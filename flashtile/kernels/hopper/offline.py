@@ -22,6 +22,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 
 from flashtile.kernels.hopper import attention_bwd as bwd
+from flashtile.kernels.hopper import attention_bwd_dq as bwd_dq
 from flashtile.kernels.hopper import attention_bwd_wide as bwd_wide
 from flashtile.kernels.hopper import attention_fp8 as fp8
 from flashtile.kernels.hopper import attention_fwd as fwd
@@ -46,9 +47,12 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 #   ``block_m=64`` spill nothing).  The spilling tiles measured faster all the same
 #   (docs/tuning.md).
 # * the wide-head backward (``attention_bwd_wide``), d = 256: a few words of the step loop
-#   (24 bytes dense, 40-56 masked or packed; none with the one-row constants).
+#   (24 bytes dense, 40-56 masked or packed; none with the one-row constants);
+# * its dQ pass (``attention_bwd_dq``): a few words of the persistent item loop beside the dQ
+#   accumulator (d = 256: 0-12 bytes, 16 with a two-slot K ring; d = 128 causal 20).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
                       ("backward", 64): 776, ("backward", 128): 704, ("backward_wide", 256): 64,
+                      ("backward_dq", 64): 32, ("backward_dq", 128): 32, ("backward_dq", 256): 32,
                       ("fp8", 64): 32, ("fp8", 128): 32}
 
 # The forward with a softcap or ALiBi (``compile_forward(softcap=..., alibi=...)``): the
@@ -61,6 +65,8 @@ SCORE_MOD_SPILL_BUDGET = {64: 80, 128: 80, 256: 32}
 # The backward's integer arguments that are 1 for one row of one sequence against one key, in
 # MHA, and that the JIT therefore specialises (``group`` is marked not to be).
 ONE_ROW_CONSTANTS = ("seqlen_q", "seqlen_k", "max_seqlen_k", "nheads_k", "num_items")
+# The same for the dQ kernel (``attention_bwd_dq``: one query row of one head against one key).
+DQ_ONE_ROW_CONSTANTS = ("seqlen_q", "seqlen_k", "max_seqlen_q", "nheads", "group", "num_items")
 
 
 def _desc(dtype: str, rows: int, hd: int, block: list | None = None) -> str:
@@ -142,6 +148,28 @@ def compile_backward_wide(hd: int = 256, causal: bool = False, window: bool = Fa
                           "headdim"))
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+
+
+def compile_backward_dq(hd: int = 256, causal: bool = False, window: bool = False, varlen: bool = False,
+                        dtype: str = "bf16", alternative: str = "", **constexprs):
+    """The dQ kernel (``attention_bwd_dq``) as it launches for head dim ``hd`` (a power of two),
+    compiled for sm_90a (``alternative``: one of ``attention_bwd_dq.ALTERNATIVES``;
+    ``constexprs``: integer arguments the JIT would specialise, as ``compile_backward``'s)."""
+    cfg = bwd_dq.config_from_spec(hd, alternative)
+    fn = bwd_dq.attention_bwd_dq_kernel
+    ints = ("stride_qb stride_qm stride_qh stride_lb stride_lh seqlen_q seqlen_k max_seqlen_q nheads group headdim "
+            "window_left window_right num_items section_heads").split()
+    sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
+           "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
+           "DQ": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
+           "qk_scale": "fp32", "softmax_scale": "fp32", **{name: "i32" for name in ints}}
+    options = {**bwd_dq.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
+    compile_options = {name: options.pop(name) for name in ("num_warps", "maxnreg")}
+    sig.update({name: "constexpr" for name in options})
+    attrs = _aligned(fn, ("DQ", "LSE2", "Delta", "stride_qb", "stride_qm", "stride_qh", "stride_lb", "stride_lh",
+                          "headdim"))
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=options, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=compile_options)
 
 
 def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | None = None, alternative: str = ""):
@@ -265,6 +293,18 @@ def variants():
         yield dict(kernel="backward_wide", hd=256, causal=causal, window=window, varlen=varlen, dtype=dtype)
     yield dict(kernel="backward_wide", hd=256, causal=False, window=False, varlen=False, dtype="bf16",
                **{name: 1 for name in ONE_ROW_CONSTANTS})
+    # The dQ pass of the wide-head backward wherever it runs, its alternatives, and its tiles
+    # at d <= 128 (reached by tests and benchmarks only: ``engine.separate_dq_engine``).
+    for (causal, window), varlen, dtype in itertools.product(((False, False), (True, False), (False, True)),
+                                                             (False, True), ("bf16", "fp16")):
+        yield dict(kernel="backward_dq", hd=256, causal=causal, window=window, varlen=varlen, dtype=dtype)
+    for alternative, causal in itertools.product(bwd_dq.ALTERNATIVES, (False, True)):
+        yield dict(kernel="backward_dq", hd=256, causal=causal, window=False, varlen=False, dtype="bf16",
+                   alternative=alternative)
+    for hd, causal in itertools.product(HEAD_DIMS["backward"], (False, True)):
+        yield dict(kernel="backward_dq", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16")
+    yield dict(kernel="backward_dq", hd=256, causal=False, window=False, varlen=False, dtype="bf16",
+               **{name: 1 for name in DQ_ONE_ROW_CONSTANTS})
     # The shared-memory softmax: every chunk size its plans give in bf16 (two buffers up to half
     # the slots, one beyond), and each dtype and log-softmax at the largest of each.
     for direction, tensors in (("forward", 1), ("backward", 2)):
@@ -281,7 +321,7 @@ def variants():
 def compile_variant(kernel: str, **shape):
     """The ``compile_*`` function of one ``variants()`` entry's kernel, called with the rest of it."""
     return {"forward": compile_forward, "backward": compile_backward, "backward_wide": compile_backward_wide,
-            "fp8": compile_fp8, "softmax": compile_softmax}[kernel](**shape)
+            "backward_dq": compile_backward_dq, "fp8": compile_fp8, "softmax": compile_softmax}[kernel](**shape)
 
 
 def _reported(variant: dict) -> tuple[dict, dict]:

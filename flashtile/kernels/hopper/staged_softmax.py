@@ -327,10 +327,11 @@ def _view_descriptor(t: torch.Tensor, n_rows: int, n_cols: int, row_stride: int)
 
 def stageable(t: torch.Tensor, row_stride: int, n_cols: int) -> bool:
     """Rows of ``t`` (unit column stride, ``row_stride`` apart) can be read by the TMA engine:
-    16-byte aligned base and row stride, and whole 128-byte inner rows."""
+    16-byte aligned base and row stride, rows that do not overlap (a broadcast row's stride 0
+    is no stride a tensor map takes), and whole 128-byte inner rows."""
     elem = t.element_size()
     return (t.dtype in _GL_DTYPES and t.data_ptr() % 16 == 0 and (row_stride * elem) % 16 == 0
-            and n_cols % inner_cols(elem) == 0)
+            and row_stride >= n_cols and n_cols % inner_cols(elem) == 0)
 
 
 def _launch(kernel, p: StagedPlan, descs, parts, n_rows, n_cols, elem_bytes, scalar, log) -> bool:

@@ -1,5 +1,5 @@
-"""The wide-head Gluon backward (``attention_bwd_wide``: dK and dV for head dims above 128, dQ on the
-``tl.*`` kernel) against the float64 oracle, on an sm_90 GPU.
+"""The wide-head Gluon backward (``attention_bwd_wide``: dK and dV for head dims above 128, dQ from
+the Gluon dQ pass, ``attention_bwd_dq``) against the float64 oracle, on an sm_90 GPU.
 
 ``FLASHTILE_ENGINE=gluon`` (``conftest.py``) forces it: under ``auto`` these head dims keep the
 ``tl.*`` backward until the wide kernel has been measured against it.  The rule is the other
@@ -74,7 +74,7 @@ def test_wide_varlen_backward_matches_dense_per_sequence(causal):
 
 @needs_hopper
 def test_wide_backward_is_bitwise_reproducible():
-    # Every program owns its keys' dK and dV rows and the tl.* dQ kernel its query rows.
+    # Every program of the dK / dV kernel owns its keys' rows, and every one of the dQ pass its query rows.
     q, k, v = random_qkv(2, 1000, 1000, 4, 2, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dout = random_like(q, seed=1)
     first = _grads(q, k, v, dout, causal=True)

@@ -11,7 +11,7 @@ import pytest
 
 hopper = pytest.importorskip("flashtile.kernels.hopper")
 from flashtile.kernels.engine import SHORT_MASKED_ROWS, THREE_CONSUMERS_MIN_ROWS  # noqa: E402
-from flashtile.kernels.hopper import attention_bwd, attention_fp8, attention_fwd  # noqa: E402  (after the skip)
+from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_fp8, attention_fwd  # noqa: E402
 
 
 def test_config_changes_parses_integer_keywords():
@@ -85,3 +85,36 @@ def test_backward_takes_128_row_query_tiles_up_to_head_dim_64_deterministic_or_n
     for head_dim_pad, rows in ((64, 128), (128, 64)):
         det = attention_bwd.deterministic_config(head_dim_pad)
         assert (det.block_m, det.with_dq, det.dq_tma, det.dq_lag, det.dk_smem) == (rows, False, False, False, False)
+
+
+@pytest.mark.parametrize("spec", attention_bwd_dq.ALTERNATIVES)
+@pytest.mark.parametrize("head_dim_pad", [64, 128, 256])
+def test_dq_pass_alternatives_change_the_default(spec, head_dim_pad):
+    default = attention_bwd_dq.config_for(head_dim_pad)
+    changed = attention_bwd_dq.config_from_spec(head_dim_pad, spec)
+    assert changed != default
+    for name, value in hopper.config_changes(spec).items():
+        assert getattr(changed, name) == value
+
+
+def test_dq_pass_fits_shared_memory_and_registers():
+    # Q and dO of block_m rows, K and V rings of block_n keys (bf16), within 227 KB; K's ring
+    # at least two deep (a consumer holds a K tile until the next one has arrived).
+    for head_dim_pad in (64, 128, 256):
+        for spec in ("",) + attention_bwd_dq.ALTERNATIVES:
+            cfg = attention_bwd_dq.config_from_spec(head_dim_pad, spec)
+            tiles = 2 * cfg.block_m + (cfg.k_stages + cfg.v_stages) * cfg.block_n
+            assert tiles * head_dim_pad * 2 <= 232448, (head_dim_pad, spec)
+            assert cfg.consumers * cfg.consumer_regs + cfg.producer_regs <= 512
+            assert cfg.maxnreg >= (cfg.consumer_regs if cfg.consumers == 1 else 128)
+    with pytest.raises(ValueError, match="k_stages"):
+        attention_bwd_dq.kernel_constexprs(attention_bwd_dq.config_from_spec(256, "k_stages=1"), 256, False, False,
+                                           False)
+
+
+def test_only_wide_heads_take_the_gluon_dq_pass():
+    from flashtile.kernels.engine import separate_dq_engine
+
+    assert [separate_dq_engine(d) for d in (64, 128, 256)] == ["triton", "triton", "gluon"]
+    assert not attention_bwd.returns_dq_workspace(256, False) and not attention_bwd.returns_dq_workspace(128, True)
+    assert attention_bwd.returns_dq_workspace(128, False)

@@ -47,6 +47,18 @@ def test_plan_fills_the_gpu_and_refuses_what_cannot_be_staged():
     assert staged_softmax.plan(1, 4 * 2**20, 4, 2, H200_SMS) is None  # y and dy: 32 MB
 
 
+def test_only_aligned_separate_rows_of_whole_inner_rows_are_staged():
+    x = torch.empty(4, 65536, dtype=torch.bfloat16)
+    assert staged_softmax.stageable(x, 65536, 65536)
+    assert staged_softmax.stageable(x[:, :32768], 65536, 32768)  # a strided view's rows
+    assert not staged_softmax.stageable(x[:1].expand(4, 65536), 0, 65536)  # broadcast: stride 0
+    assert not staged_softmax.stageable(x, 32768, 65536)  # overlapping rows
+    assert not staged_softmax.stageable(x.view(-1)[4:], 65536, 65536)  # base 8 bytes past 16-byte alignment
+    assert not staged_softmax.stageable(x, 65536 + 4, 65536)  # row stride not a multiple of 16 bytes
+    assert not staged_softmax.stageable(x[:, :1000], 65536, 1000)  # not whole 128-byte inner rows
+    assert not staged_softmax.stageable(x.to(torch.int16), 65536, 65536)
+
+
 class _Refusing:
     """A kernel whose launch fails like the driver's refusal of a cooperative grid (or otherwise)."""
 
@@ -71,15 +83,17 @@ def test_a_refused_cooperative_launch_falls_back():
 
 @pytest.fixture
 def staged_calls(monkeypatch):
-    """The path at every row length, and a count of its forward and backward launches."""
+    """The path at every row length, and a count of its forward and backward launches that ran
+    (a launch the driver refused returns False, and the other paths compute the result)."""
     monkeypatch.setenv(ks.TUNING_ENV, "staged=1,staged_min_bytes=0")
     calls = {"forward": 0, "backward": 0}
     for name in calls:
         real = getattr(staged_softmax, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
+            ran = _real(*args, **kwargs)
+            calls[_name] += bool(ran)
+            return ran
 
         monkeypatch.setattr(staged_softmax, name, counted)
     return calls
