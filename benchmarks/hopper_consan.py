@@ -6,7 +6,9 @@ missing wait.  Small shapes, but more work items than programs, so the persisten
 hand-over between items (query buffer, K/V ring across items, ping-pong phases) is covered;
 the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared dS tile, the dQ
 writer's staging tiles at d = 128), in its default configuration and in each of
-``attention_bwd.ALTERNATIVES``::
+``attention_bwd.ALTERNATIVES``; at d = 256 the wide-head dK / dV kernel and the dQ pass
+(``attention_bwd_dq``: its Q / dO buffers and K and V rings of their own depths), in the dQ
+pass's default and each of its ``ALTERNATIVES`` (specs ``dq:<spec>``)::
 
     TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
 
@@ -20,7 +22,7 @@ import torch
 import triton
 
 from flashtile.kernels import attention as ka
-from flashtile.kernels.hopper import attention_bwd, configured
+from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, configured
 from flashtile.kernels.hopper import attention_fwd as hopper
 from flashtile.kernels.tma import padded_headdim
 
@@ -40,12 +42,16 @@ CASES = [(64, 600, 32, False, False), (64, 700, 24, True, False), (64, 700, 24, 
          ("bwd", 64, 300, 4, True, "", False), ("bwd", 128, 300, 4, True, "", True)]
 CASES += [("bwd", 128, 300, 4, True, spec, False) for spec in attention_bwd.ALTERNATIVES]
 CASES += [(64, 700, 24, True, False, -1, True), (128, 500, 24, False, False, -1, True)]
-default_bwd_config = attention_bwd.config_for
+CASES += [("bwd", 256, 300, 4, causal, "", False) for causal in (False, True)]
+CASES += [("bwd", 256, 300, 4, True, "dq:" + spec, False) for spec in attention_bwd_dq.ALTERNATIVES]
+default_bwd_config, default_dq_config = attention_bwd.config_for, attention_bwd_dq.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     if CASES[case][0] == "bwd":
         _, d, n, heads, causal, spec, deterministic = CASES[case]
         os.environ["FLASHTILE_ENGINE"] = "gluon"
-        attention_bwd.config_for = configured(default_bwd_config, spec)
+        dq_spec = spec[3:] if spec.startswith("dq:") else ""
+        attention_bwd.config_for = configured(default_bwd_config, "" if dq_spec else spec)
+        attention_bwd_dq.config_for = configured(default_dq_config, dq_spec)
         import flashtile
 
         q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
