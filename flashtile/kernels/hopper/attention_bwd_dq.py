@@ -40,12 +40,12 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.attention_bwd import row_strides
-from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, layout_schedule, load_key_tile, pass_tiles, \
-    work_item
+from flashtile.kernels.hopper.attention_fwd import (CONSUMER_ROWS, consumer_tiles, layout_schedule, load_key_tile,
+                                                   pass_tiles, work_item)
 from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.hopper.turns import hand_turn, issue_turn
 from flashtile.kernels.launch import bind, launch
-from flashtile.kernels.masking import band_mask, key_tiles
+from flashtile.kernels.masking import band_mask
 from flashtile.kernels.plans import stand_ins
 from flashtile.kernels.runtime import cdiv, sm_count
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
@@ -81,6 +81,26 @@ def _producer(Q_desc, K_desc, V_desc, DO_desc, q_buf, do_buf, k_bufs, v_bufs, q_
                 load_key_tile(K_desc, V_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, count,
                               b, k_start + lo + j * BLOCK_N, hk, False)
                 count += 1
+
+
+@gluon.jit
+def _score_products(q, do, k_bufs, v_bufs, k_ready, v_ready, c, s_layout: gl.constexpr):
+    """``S = Q K_c^T`` and ``dP = dO V_c^T`` of ring count ``c``, issued as asynchronous wgmma
+    once each tile has landed (the caller waits for them and releases ``V_c``)."""
+    K_STAGES: gl.constexpr = k_bufs.shape[0]
+    V_STAGES: gl.constexpr = v_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    HEAD_DIM: gl.constexpr = k_bufs.shape[4]
+    ROWS: gl.constexpr = q.shape[0]
+    mbarrier.wait(k_ready.index(c % K_STAGES), (c // K_STAGES) & 1)
+    k = k_bufs.index(c % K_STAGES).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                      is_async=True)
+    mbarrier.wait(v_ready.index(c % V_STAGES), (c // V_STAGES) & 1)
+    v = v_bufs.index(c % V_STAGES).reshape([BLOCK_N, HEAD_DIM])
+    dp = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                       is_async=True)
+    return s, dp
 
 
 @gluon.jit
@@ -146,33 +166,18 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
             lse2 = gl.load(LSE2 + rows, mask=offs_m < sq, other=float("inf"))
             delta = gl.load(Delta + rows, mask=offs_m < sq, other=0.0)
             dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
-            # As in the forward: the producer streams the union of the consumers' key tiles,
-            # this consumer computes on its own rows' run of them and passes the others.
-            lo, full_lo, full_hi, hi = key_tiles(m0 + row_off, sq, sk, window_left, window_right, ROWS, BLOCK_N,
-                                                 MASK_LEFT, MASK_RIGHT)
-            before = gl.minimum((lo - item_lo) // BLOCK_N, n_tiles)
-            n_mine = gl.minimum(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), n_tiles - before)
-            if m0 + row_off >= sq:
-                n_mine = 0
-            after = n_tiles - before - n_mine
+            lo, full_lo, full_hi, before, n_mine, after = consumer_tiles(
+                m0 + row_off, item_lo, n_tiles, sq, sk, window_left, window_right, ROWS, BLOCK_N, MASK_LEFT,
+                MASK_RIGHT)
             pass_tiles(count, count + before, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG)
             count += before
             if n_mine > 0:
                 # Tile 0: S and dP only; its dQ product joins the next step's GEMMs.
-                k_slot = count % K_STAGES
-                v_slot = count % V_STAGES
                 issue_turn(my_turn, count, PINGPONG)
-                mbarrier.wait(k_ready.index(k_slot), (count // K_STAGES) & 1)
-                k = k_bufs.index(k_slot).reshape([BLOCK_N, HEAD_DIM])
-                s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                                  use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(v_slot), (count // V_STAGES) & 1)
-                v = v_bufs.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
-                dp = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                                   use_acc=False, is_async=True)
+                s, dp = _score_products(q, do, k_bufs, v_bufs, k_ready, v_ready, count, s_layout)
                 hand_turn(their_turn, PINGPONG)
                 s, dp = warpgroup_mma_wait(0, deps=[s, dp])
-                mbarrier.arrive(v_empty.index(v_slot), count=1)
+                mbarrier.arrive(v_empty.index(count % V_STAGES), count=1)
                 ds = _ds_tile(s, dp, lse2, delta, lo, offs_m, sq, sk, qk_scale, window_left, window_right, full_lo,
                               full_hi, s_layout, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                 ds_prev = gl.convert_layout(ds.to(dtype), ds_layout)
@@ -183,23 +188,14 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 end = first + n_mine
                 n_base = lo - first * BLOCK_N
                 for c in range(count, end):
-                    k_slot = c % K_STAGES
-                    v_slot = c % V_STAGES
                     k_prev = (c - 1) % K_STAGES
                     issue_turn(my_turn, c, PINGPONG)
-                    mbarrier.wait(k_ready.index(k_slot), (c // K_STAGES) & 1)
-                    k = k_bufs.index(k_slot).reshape([BLOCK_N, HEAD_DIM])
-                    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                                      use_acc=False, is_async=True)
-                    mbarrier.wait(v_ready.index(v_slot), (c // V_STAGES) & 1)
-                    v = v_bufs.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
-                    dp = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                                       use_acc=False, is_async=True)
+                    s, dp = _score_products(q, do, k_bufs, v_bufs, k_ready, v_ready, c, s_layout)
                     dq = warpgroup_mma(ds_prev, k_bufs.index(k_prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
                     hand_turn(their_turn, PINGPONG)
                     # wgmma groups retire in order: S_j and dP_j are ready while dS_{j-1} K_{j-1} runs.
                     s, dp, dq = warpgroup_mma_wait(1, deps=[s, dp, dq])
-                    mbarrier.arrive(v_empty.index(v_slot), count=1)
+                    mbarrier.arrive(v_empty.index(c % V_STAGES), count=1)
                     ds = _ds_tile(s, dp, lse2, delta, n_base + c * BLOCK_N, offs_m, sq, sk, qk_scale, window_left,
                                   window_right, full_lo, full_hi, s_layout, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                     dq = warpgroup_mma_wait(0, deps=[dq])

@@ -199,6 +199,24 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
 
 
 @gluon.jit
+def consumer_tiles(r0, item_lo, n_tiles, seqlen_q, seqlen_k, window_left, window_right, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A consumer's share of its work item's key tiles -> (lo, full_lo, full_hi, before, n_mine,
+    after).  The producer streams the item's ``n_tiles`` key tiles from key ``item_lo``, the union
+    of its consumers' ranges; the consumer of rows ``r0 ...`` computes on its own rows' run of
+    them (``key_tiles`` of those ``ROWS`` rows: the causal diagonal or a window's edge cuts 64
+    rows more finely than the whole tile), ``n_mine`` tiles after the ``before`` it passes, and
+    passes the ``after`` others -- every tile when its rows lie past the sequence's end."""
+    lo, full_lo, full_hi, hi = key_tiles(r0, seqlen_q, seqlen_k, window_left, window_right, ROWS, BLOCK_N,
+                                         MASK_LEFT, MASK_RIGHT)
+    before = gl.minimum((lo - item_lo) // BLOCK_N, n_tiles)
+    n_mine = gl.minimum(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), n_tiles - before)
+    if r0 >= seqlen_q:
+        n_mine = 0
+    return lo, full_lo, full_hi, before, n_mine, n_tiles - before - n_mine
+
+
+@gluon.jit
 def pass_tiles(first, end, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG: gl.constexpr):
     """Ring counts ``[first, end)``: key tiles of the item that this consumer's rows do not see.
     It takes each tile's turn and hands it on at once, and releases the slots once the tile has
@@ -303,17 +321,9 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-            # The producer streams the item's n_tiles key tiles, the union of its consumers'
-            # ranges; this consumer computes on its own rows' run of them (the causal diagonal
-            # or a window's edge cuts 64 rows more finely than the whole tile) and passes the
-            # others, as it passes every tile when its rows lie past the sequence's end.
-            lo, full_lo, full_hi, hi = key_tiles(m0 + row_off, sq, sk, window_left, window_right, ROWS, BLOCK_N,
-                                                 MASK_LEFT, MASK_RIGHT)
-            before = gl.minimum((lo - item_lo) // BLOCK_N, n_tiles)
-            n_mine = gl.minimum(gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N), n_tiles - before)
-            if m0 + row_off >= sq:
-                n_mine = 0
-            after = n_tiles - before - n_mine
+            lo, full_lo, full_hi, before, n_mine, after = consumer_tiles(
+                m0 + row_off, item_lo, n_tiles, sq, sk, window_left, window_right, ROWS, BLOCK_N, MASK_LEFT,
+                MASK_RIGHT)
             pass_tiles(count, count + before, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG)
             count += before
             if n_mine > 0:
