@@ -38,6 +38,11 @@ step's dQ GEMM one step later, so a consumer waits for the other one's dS of the
 (already written, unless it is a whole step behind) instead of meeting it at every step;
 ``dk_smem`` reads dK's dS operand from the shared tile instead of registers.
 
+With ``persistent`` (an alternative, ``HopperBwdConfig``) one program per SM walks key tiles
+round-robin: the ring's count runs across them, the next tile's first Q / dO tiles load while
+the consumers finish this one, and its K and V (one buffer, released on ``kv_empty``) while they
+store this one's dK and dV -- instead of a new program paying for its start and its first loads.
+
 A ``deterministic=True`` call runs the kernel without dQ (``with_dq=False``,
 ``deterministic_config``): the consumers compute dK and dV alone, never waiting for each
 other, and dQ comes from the ``tl.*`` dQ kernel, whose programs own their rows, so no sum
@@ -74,7 +79,7 @@ from flashtile.kernels.hopper.tma_reduce import async_reduce_add
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask, query_tiles
 from flashtile.kernels.plans import stand_ins
-from flashtile.kernels.runtime import cdiv, l2_bytes
+from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
 from flashtile.kernels.tile_info import dealt_tile, section_heads, sequence_bounds
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 
@@ -118,52 +123,92 @@ def step_rows(step, hk, group, n_steps, lo, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _load_step(Q_desc, DO_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, LSE2, Delta, stride_lh, lse_base,
+               g, c, b, hk, group, n_steps, lo, q_start, sq, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Step ``c`` of a key tile (query head ``c // n_steps``, query tile ``c % n_steps``), ring
+    count ``g``: Q and dO into slot ``g % NUM_STAGES`` once both consumers have released it, with
+    the step's rows of the log2 LSE and of delta (zeros past the sequence)."""
+    vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    h = hk * group + c // n_steps
+    row = q_start + lo + (c % n_steps) * BLOCK_M
+    slot = g % NUM_STAGES
+    # An mbarrier starts with its "previous" phase complete: the first waits pass.
+    mbarrier.wait(empty.index(slot), ((g // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), Q_desc.block_type.nbytes + DO_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(Q_desc, [b, row, h, 0], ready.index(slot), q_bufs.index(slot))
+    tma.async_copy_global_to_shared(DO_desc, [b, row, h, 0], ready.index(slot), do_bufs.index(slot))
+    # The rows are too few for a TMA box; ``cp.async`` copies them while the tiles stream, and
+    # the producer's own arrival (the barrier's second) follows their landing.
+    offs_q = row - q_start + gl.arange(0, BLOCK_M, layout=vec_layout)
+    rows = lse_base + h * stride_lh + offs_q
+    async_copy.async_copy_global_to_shared(lse_bufs.index(slot), LSE2 + rows, mask=offs_q < sq)
+    async_copy.async_copy_global_to_shared(delta_bufs.index(slot), Delta + rows, mask=offs_q < sq)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
+def program_items(num_items, PERSISTENT: gl.constexpr):
+    """(first item, item stride, items) of this program: its round-robin share of a persistent
+    grid, or the one item of a program per item."""
+    pid = gl.program_id(0)
+    if PERSISTENT:
+        nprog = gl.num_programs(0)
+        return pid, nprog, gl.cdiv(num_items - pid, nprog)
+    return pid, 1, 1
+
+
+@gluon.jit
 def producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready,
-              ready, empty, LSE2, Delta, stride_lb, stride_lh,
+              kv_empty, ready, empty, LSE2, Delta, stride_lb, stride_lh,
               CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right, num_items,
               section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
-    """K and V once; then per step ``c`` (query head ``c // n_steps``, query tile ``c % n_steps``)
-    Q and dO into ring slot ``c % NUM_STAGES`` once both consumers have released it, with the
-    step's rows of the log2 LSE and of delta (zeros past the sequence).  One barrier pair a
-    slot for all four: fewer barrier operations in the consumers' loop."""
-    b, hk, n0, q_start, k_start, sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
-        gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
-        window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
-    if n_steps >= 0:
-        vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-        lse_base = b.to(gl.int64) * stride_lb + q_start
-        if VARLEN:
-            b = 0  # packed tensors are one batch entry of the descriptors
-        mbarrier.expect(kv_ready, K_desc.block_type.nbytes + V_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(K_desc, [b, k_start + n0, hk, 0], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(V_desc, [b, k_start + n0, hk, 0], kv_ready, v_smem)
-        for c in range(n_steps * group):
-            h = hk * group + c // n_steps
-            row = q_start + lo + (c % n_steps) * BLOCK_M
-            slot = c % NUM_STAGES
-            # An mbarrier starts with its "previous" phase complete: the first waits pass.
-            free_phase = ((c // NUM_STAGES) & 1) ^ 1
-            mbarrier.wait(empty.index(slot), free_phase)
-            mbarrier.expect(ready.index(slot), Q_desc.block_type.nbytes + DO_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(Q_desc, [b, row, h, 0], ready.index(slot), q_bufs.index(slot))
-            tma.async_copy_global_to_shared(DO_desc, [b, row, h, 0], ready.index(slot), do_bufs.index(slot))
-            # The rows are too few for a TMA box; ``cp.async`` copies them while the tiles
-            # stream, and the producer's own arrival (the barrier's second) follows their landing.
-            offs_q = row - q_start + gl.arange(0, BLOCK_M, layout=vec_layout)
-            rows = lse_base + h * stride_lh + offs_q
-            async_copy.async_copy_global_to_shared(lse_bufs.index(slot), LSE2 + rows, mask=offs_q < sq)
-            async_copy.async_copy_global_to_shared(delta_bufs.index(slot), Delta + rows, mask=offs_q < sq)
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            mbarrier.arrive(ready.index(slot), count=1)
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+              PERSISTENT: gl.constexpr = False):
+    """Per key tile: K and V once, then its steps' Q, dO and rows through the ring
+    (``_load_step``; the ring count runs across a persistent program's items).  One barrier
+    pair a slot for all four: fewer barrier operations in the consumers' loop.  With a
+    persistent grid, a key tile's first ``NUM_STAGES`` steps load while the consumers finish
+    the tile before (its last steps free the slots first), and its K and V once both consumers
+    have let go of the previous ones (``kv_empty``)."""
+    first, stride, n_items = program_items(num_items, PERSISTENT)
+    g = 0  # ring count of the key tile's first step
+    kv_count = 0  # key tiles whose K and V were loaded
+    for it in range(n_items):
+        b, hk, n0, q_start, k_start, sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
+            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
+            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        if n_steps >= 0:
+            lse_base = b.to(gl.int64) * stride_lb + q_start
+            if VARLEN:
+                b = 0  # packed tensors are one batch entry of the descriptors
+            total = n_steps * group
+            early = 0
+            if PERSISTENT:
+                early = gl.minimum(total, NUM_STAGES)
+                for c in range(early):
+                    _load_step(Q_desc, DO_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, LSE2, Delta,
+                               stride_lh, lse_base, g + c, c, b, hk, group, n_steps, lo, q_start, sq, BLOCK_M,
+                               NUM_STAGES)
+                mbarrier.wait(kv_empty, (kv_count & 1) ^ 1)
+            mbarrier.expect(kv_ready, K_desc.block_type.nbytes + V_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(K_desc, [b, k_start + n0, hk, 0], kv_ready, k_smem)
+            tma.async_copy_global_to_shared(V_desc, [b, k_start + n0, hk, 0], kv_ready, v_smem)
+            for c in range(early, total):
+                _load_step(Q_desc, DO_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, LSE2, Delta,
+                           stride_lh, lse_base, g + c, c, b, hk, group, n_steps, lo, q_start, sq, BLOCK_M,
+                           NUM_STAGES)
+            g += total
+            kv_count += 1
 
 
 @gluon.jit
 def producer_buffers(Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
     """What :func:`producer` fills, allocated and its barriers initialised: the key and value
-    tiles with ``kv_ready``, and the ring of Q / dO tiles and LSE / delta rows with a *ready*
-    barrier (the tiles' expect and the rows' landing) and an *empty* one (both consumers) a slot."""
+    tiles with ``kv_ready`` (and ``kv_empty``, for persistent grids), and the ring of Q / dO
+    tiles and LSE / delta rows with a *ready* barrier (the tiles' expect and the rows' landing)
+    and an *empty* one (both consumers) a slot."""
     dtype: gl.constexpr = Q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, K_desc.block_type.shape, K_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
@@ -173,13 +218,15 @@ def producer_buffers(Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES: gl.constexpr, 
     lse_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], vec_smem)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_empty, count=2)  # both consumers are done with a key tile (persistent grids)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=2)
         mbarrier.init(empty.index(i), count=2)
-    return k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty
+    return k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, ready, empty
 
 
 @gluon.jit
@@ -242,39 +289,45 @@ def _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, step, dq, b, h, m0, q_start
 def _dq_writer(DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group,
                window_left, window_right, num_items, section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-               DQ_WRITER: gl.constexpr):
+               DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr):
     """Per step, both consumers' staged dQ shares added into the workspace by the TMA engine, in
     step order; each staging tile handed back once the engine has read it (so a consumer's
-    part of the dQ add is a shared-memory store and two barrier operations)."""
-    b, hk, n0, q_start, _k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
-        gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
-        window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
-    if DQ_WRITER and (n_steps >= 0):
-        if VARLEN:
-            b = 0  # packed tensors are one batch entry of the descriptor
-        for step in range(n_steps * group):
-            h, m0 = step_rows(step, hk, group, n_steps, lo, BLOCK_M)
-            row = q_start + m0
-            for i in gl.static_range(2):
-                mbarrier.wait(dq_full.index(i), step & 1)
-                # Rows past a dense tensor's end fall outside the descriptor and are dropped.
-                async_reduce_add(DQ_desc, [b, row, h, i * (HEAD_DIM // 2)], dq_smem.index(i))
-            tma.store_wait(1)
-            mbarrier.arrive(dq_empty.index(0), count=1)
-            tma.store_wait(0)
-            mbarrier.arrive(dq_empty.index(1), count=1)
+    part of the dQ add is a shared-memory store and two barrier operations).  The steps are
+    counted across a persistent program's key tiles, as the consumers count them."""
+    if DQ_WRITER:
+        first, stride, n_items = program_items(num_items, PERSISTENT)
+        g = 0  # steps of the key tiles before
+        for it in range(n_items):
+            b, hk, n0, q_start, _k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
+                first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k,
+                nheads_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            if n_steps >= 0:
+                if VARLEN:
+                    b = 0  # packed tensors are one batch entry of the descriptor
+                for step in range(n_steps * group):
+                    h, m0 = step_rows(step, hk, group, n_steps, lo, BLOCK_M)
+                    row = q_start + m0
+                    for i in gl.static_range(2):
+                        mbarrier.wait(dq_full.index(i), (g + step) & 1)
+                        # Rows past a dense tensor's end fall outside the descriptor and are dropped.
+                        async_reduce_add(DQ_desc, [b, row, h, i * (HEAD_DIM // 2)], dq_smem.index(i))
+                    tma.store_wait(1)
+                    mbarrier.arrive(dq_empty.index(0), count=1)
+                    tma.store_wait(0)
+                    mbarrier.arrive(dq_empty.index(1), count=1)
+                g += n_steps * group
 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem, dq_full, dq_empty, kv_ready,
-              ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
+              kv_empty, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
               stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh,
               seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
               window_left, window_right, num_items, section_heads, key_off, col_off,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
-              DQ_WRITER: gl.constexpr):
+              DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr):
     """Keys ``[key_off, key_off + 64)`` of the program's key tile (their dK, dV and dS rows),
     and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ (without ``WITH_DQ``:
     no dQ, and the consumers never wait for each other; the dS tile stays in registers).
@@ -305,117 +358,128 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
     ADD_TPR: gl.constexpr = DQ_COLS // 4 if DQ_COLS // 4 < 32 else 32
     add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // ADD_TPR, ADD_TPR], [4, 1], [1, 0])
 
-    b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = key_tile_work(
-        gl.program_id(0), num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
-        window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
-    if n_steps >= 0:
-        k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
-        k_h = k_all.slice(key_off, KEYS, dim=0)
-        v_h = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(key_off, KEYS, dim=0)
-        k_cols = k_all.slice(col_off, DQ_COLS, dim=1)
-        offs_k = n0 + key_off + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
-        dq_cols = col_off + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, add_layout))
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-        total = n_steps * group
-        mbarrier.wait(kv_ready, 0)
-        for c in range(total):
-            h, m0 = step_rows(c, hk, group, n_steps, lo, BLOCK_M)
-            slot = c % NUM_STAGES
-            phase = (c // NUM_STAGES) & 1
-            mbarrier.wait(ready.index(slot), phase)
-            q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            s_t = warpgroup_mma(k_h, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
-                                use_acc=False, is_async=True)
-            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            dp_t = warpgroup_mma(v_h, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
-                                 use_acc=False, is_async=True)
-            s_t = warpgroup_mma_wait(1, deps=[s_t])
-            # Read in the score layout straight from the slot, only where used, so the rows
-            # hold no registers while the GEMMs run.  Rows past the sequence read 0 (module
-            # docstring: a packed batch's get +inf here).
-            lse_q = lse_bufs.index(slot).load(q_vec)
-            if VARLEN:
-                lse_q = gl.where(m0 + gl.arange(0, BLOCK_M, layout=q_vec) < sq, lse_q, float("inf"))
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse_q, 0))
-            if (m0 < full_lo) | (m0 >= full_hi) | key_edge:
-                offs_q_s = m0 + gl.arange(0, BLOCK_M, layout=q_vec)
-                visible = band_mask(gl.expand_dims(offs_q_s, 0), gl.expand_dims(offs_k, 1), sq, sk,
-                                    window_left, window_right, MASK_LEFT, MASK_RIGHT)
-                p_t = gl.where(visible, p_t, 0.0)
-            # dV's GEMM runs while dS is computed.
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
-            dp_t = warpgroup_mma_wait(1, deps=[dp_t])
-            ds_t = (p_t * (dp_t - gl.expand_dims(delta_bufs.index(slot).load(q_vec), 0))).to(dtype)
-            if not WITH_DQ:
-                dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-                mbarrier.arrive(empty.index(slot), count=1)
-            else:
-                # dQ = dS K needs every key's dS, with queries as rows: each consumer writes its
-                # rows of the shared dS^T tile (once both have read what it held before), and both
-                # read it transposed once both have written it.  dK's GEMM is queued in between,
-                # so the tensor cores have dV, dK and dQ back to back.
-                buf = c % DS_BUFS
-                ds_all = ds_smem.index(buf)
-                my_ds = ds_all.slice(key_off, KEYS, dim=0)
-                # The buffer's last reader is a dQ GEMM that both consumers retired in step
-                # c - 1 just before releasing that step's ring slot: the slot's release is the
-                # buffer's (no barrier of its own; step 0 waits on a fresh phase).
-                before = c + NUM_STAGES - 1
-                mbarrier.wait(empty.index(before % NUM_STAGES), (before // NUM_STAGES + 1) & 1)
-                my_ds.store(ds_t)
-                fence_async_shared()
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-                if DK_SMEM:
-                    dk = warpgroup_mma(my_ds, q, dk, is_async=True)
-                else:
+    first, stride, n_items = program_items(num_items, PERSISTENT)
+    base = 0  # ring count of the key tile's first step (runs across a persistent program's tiles)
+    kv_count = 0  # key tiles whose K and V have been read
+    for it in range(n_items):
+        b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = key_tile_work(
+            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
+            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+        if n_steps >= 0:
+            k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+            k_h = k_all.slice(key_off, KEYS, dim=0)
+            v_h = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(key_off, KEYS, dim=0)
+            k_cols = k_all.slice(col_off, DQ_COLS, dim=1)
+            offs_k = n0 + key_off + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+            dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
+            dq_cols = col_off + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, add_layout))
+            dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+            dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+            total = n_steps * group
+            mbarrier.wait(kv_ready, kv_count & 1)
+            for c in range(total):
+                g = base + c  # the step's ring count: slots, phases and dS buffers
+                h, m0 = step_rows(c, hk, group, n_steps, lo, BLOCK_M)
+                slot = g % NUM_STAGES
+                phase = (g // NUM_STAGES) & 1
+                mbarrier.wait(ready.index(slot), phase)
+                q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                s_t = warpgroup_mma(k_h, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
+                                    use_acc=False, is_async=True)
+                do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                dp_t = warpgroup_mma(v_h, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
+                                     use_acc=False, is_async=True)
+                s_t = warpgroup_mma_wait(1, deps=[s_t])
+                # Read in the score layout straight from the slot, only where used, so the rows
+                # hold no registers while the GEMMs run.  Rows past the sequence read 0 (module
+                # docstring: a packed batch's get +inf here).
+                lse_q = lse_bufs.index(slot).load(q_vec)
+                if VARLEN:
+                    lse_q = gl.where(m0 + gl.arange(0, BLOCK_M, layout=q_vec) < sq, lse_q, float("inf"))
+                p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse_q, 0))
+                if (m0 < full_lo) | (m0 >= full_hi) | key_edge:
+                    offs_q_s = m0 + gl.arange(0, BLOCK_M, layout=q_vec)
+                    visible = band_mask(gl.expand_dims(offs_q_s, 0), gl.expand_dims(offs_k, 1), sq, sk,
+                                        window_left, window_right, MASK_LEFT, MASK_RIGHT)
+                    p_t = gl.where(visible, p_t, 0.0)
+                # dV's GEMM runs while dS is computed.
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv, is_async=True)
+                dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+                ds_t = (p_t * (dp_t - gl.expand_dims(delta_bufs.index(slot).load(q_vec), 0))).to(dtype)
+                if not WITH_DQ:
                     dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
-                if DQ_LAG:
-                    # The previous step's dQ (its dS in the other buffer).  Step 0 has none: it
-                    # multiplies its own dS tile once both consumers have written it and drops the
-                    # product, so that the wgmma waits stay outside any run-time branch.
-                    prev = gl.maximum(c - 1, 0)
-                    mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
-                    dq = warpgroup_mma(ds_smem.index(prev % 2).permute((1, 0)), k_cols,
-                                       gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
-                                       use_acc=False, is_async=True)
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
                     mbarrier.arrive(empty.index(slot), count=1)
-                    if c > 0:
-                        prev_h, prev_m0 = step_rows(prev, hk, group, n_steps, lo, BLOCK_M)
-                        _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start, sq,
-                                col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout,
-                                BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
                 else:
-                    mbarrier.wait(ds_ready.index(0), c & 1)
-                    dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
+                    # dQ = dS K needs every key's dS, with queries as rows: each consumer writes its
+                    # rows of the shared dS^T tile (once both have read what it held before), and both
+                    # read it transposed once both have written it.  dK's GEMM is queued in between,
+                    # so the tensor cores have dV, dK and dQ back to back.
+                    buf = g % DS_BUFS
+                    ds_all = ds_smem.index(buf)
+                    my_ds = ds_all.slice(key_off, KEYS, dim=0)
+                    # The buffer's last reader is a dQ GEMM that both consumers retired in step
+                    # g - 1 just before releasing that step's ring slot: the slot's release is the
+                    # buffer's (no barrier of its own; step 0 waits on a fresh phase).  The last
+                    # step of a key tile before is step g - 1 too: its late dQ GEMM, after the
+                    # loop, reads the other buffer.
+                    before = g + NUM_STAGES - 1
+                    mbarrier.wait(empty.index(before % NUM_STAGES), (before // NUM_STAGES + 1) & 1)
+                    my_ds.store(ds_t)
+                    fence_async_shared()
+                    mbarrier.arrive(ds_ready.index(buf), count=1)
+                    if DK_SMEM:
+                        dk = warpgroup_mma(my_ds, q, dk, is_async=True)
+                    else:
+                        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
+                    if DQ_LAG:
+                        # The previous step's dQ (its dS in the other buffer).  A key tile's step 0
+                        # has none: it multiplies its own dS tile once both consumers have written
+                        # it and drops the product, so that the wgmma waits stay outside any
+                        # run-time branch.
+                        prev = base + gl.maximum(c - 1, 0)
+                        mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
+                        dq = warpgroup_mma(ds_smem.index(prev % 2).permute((1, 0)), k_cols,
+                                           gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
+                                           use_acc=False, is_async=True)
+                        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                        mbarrier.arrive(empty.index(slot), count=1)
+                        if c > 0:
+                            prev_h, prev_m0 = step_rows(prev - base, hk, group, n_steps, lo, BLOCK_M)
+                            _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start, sq,
+                                    col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout,
+                                    BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
+                    else:
+                        mbarrier.wait(ds_ready.index(0), g & 1)
+                        dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
+                                           gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
+                                           use_acc=False, is_async=True)
+                        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                        mbarrier.arrive(empty.index(slot), count=1)
+                        _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, g, dq, b, h, m0, q_start, sq, col_off, stride_dqb,
+                                stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA,
+                                DQ_WRITER)
+            if DQ_LAG and WITH_DQ:
+                if total > 0:
+                    last = base + total - 1
+                    mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1)
+                    dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols,
                                        gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
                                        use_acc=False, is_async=True)
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-                    mbarrier.arrive(empty.index(slot), count=1)
-                    _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, c, dq, b, h, m0, q_start, sq, col_off, stride_dqb,
-                            stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA,
-                            DQ_WRITER)
-        if DQ_LAG and WITH_DQ:
-            if total > 0:
-                last = total - 1
-                mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1)
-                dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols,
-                                   gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=[dq])
-                last_h, last_m0 = step_rows(last, hk, group, n_steps, lo, BLOCK_M)
-                _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, last_h, last_m0, q_start, sq, col_off,
-                        stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN,
-                        DQ_TMA, DQ_WRITER)
-
-        kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
-        store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
-        store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
-        if DQ_TMA and not DQ_WRITER:
-            tma.store_wait(0)  # the staging tile stays until the engine has read it
+                    dq = warpgroup_mma_wait(0, deps=[dq])
+                    last_h, last_m0 = step_rows(last - base, hk, group, n_steps, lo, BLOCK_M)
+                    _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, last_h, last_m0, q_start, sq, col_off,
+                            stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN,
+                            DQ_TMA, DQ_WRITER)
+            if PERSISTENT:
+                mbarrier.arrive(kv_empty, count=1)  # K and V are no longer read: the next tile's may load
+            kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
+            store_rows(DV, kv_base, n0 + key_off, sk, stride_km, headdim, dv, HEAD_DIM, KEYS)
+            store_rows(DK, kv_base, n0 + key_off, sk, stride_km, headdim, dk * softmax_scale, HEAD_DIM, KEYS)
+            base += total
+            kv_count += 1
+    if DQ_TMA and not DQ_WRITER:
+        tma.store_wait(0)  # the staging tile stays until the engine has read it
 
 
 # ``section_heads`` varies with the shape and only causal calls read it: not specialised, so
@@ -432,12 +496,12 @@ def attention_bwd_kernel(
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
-    DQ_WRITER: gl.constexpr,
+    DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
     dtype: gl.constexpr = Q_desc.dtype
     KEYS: gl.constexpr = CONSUMER_KEYS
     DS_BUFS: gl.constexpr = 2 if DQ_LAG else 1
-    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty = producer_buffers(
+    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, ready, empty = producer_buffers(
         Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES, BLOCK_M)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
@@ -456,26 +520,27 @@ def attention_bwd_kernel(
 
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem.index(0), dq_full.index(0),
-                     dq_empty.index(0), kv_ready, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
+                     dq_empty.index(0), kv_ready, kv_empty, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, 0, 0,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
-                     DK_SMEM, DQ_WRITER)),
+                     DK_SMEM, DQ_WRITER, PERSISTENT)),
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem.index(1), dq_full.index(1),
-                     dq_empty.index(1), kv_ready, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
+                     dq_empty.index(1), kv_ready, kv_empty, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
-                     DK_SMEM, DQ_WRITER)),
+                     DK_SMEM, DQ_WRITER, PERSISTENT)),
         (producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                     kv_ready, ready, empty, LSE2, Delta, stride_lb, stride_lh,
+                     kv_ready, kv_empty, ready, empty, LSE2, Delta, stride_lb, stride_lh,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
-                     num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                     num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN,
+                     PERSISTENT)),
         (_dq_writer, (DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group,
                       window_left, window_right, num_items, section_heads, BLOCK_M, BLOCK_N, HEAD_DIM, MASK_LEFT,
-                      MASK_RIGHT, VARLEN, DQ_WRITER)),
+                      MASK_RIGHT, VARLEN, DQ_WRITER, PERSISTENT)),
     ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -502,6 +567,10 @@ class HopperBwdConfig(RegisterBudget):
     dk_smem: bool = False
     # dQ at all: without it the kernel computes dK and dV alone (``deterministic_config``).
     with_dq: bool = True
+    # One program per SM walking key tiles round-robin (else one program per key tile): the
+    # next tile's first Q / dO tiles load while this one finishes, and its K and V while this
+    # one's dK and dV are stored.
+    persistent: bool = False
 
     @property
     def block_n(self) -> int:
@@ -517,7 +586,8 @@ class HopperBwdConfig(RegisterBudget):
 # offline compile check covers, the GPU tests check and ``benchmarks/bench_hopper_bwd.py
 # --variants`` times against the default (docs/tuning.md); ``dq_writer=0`` changes only the
 # head dims whose default has the writer.
-ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=64+dq_lag=0", "dq_writer=0")
+ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=64+dq_lag=0", "dq_writer=0",
+                "persistent=1")
 
 # dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
 # consumers' budget up to d = 128; wider heads go to ``attention_bwd_wide`` (dK and dV only).
@@ -598,7 +668,7 @@ def _launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, headdim, so
     )
     options = dict(kernel_constexprs(cfg, hd, window_left >= 0, window_right >= 0, layout.varlen),
                    num_warps=4, maxnreg=cfg.maxnreg)
-    return (num_items,), args, options
+    return (min(num_items, sm_count(q.device.index)) if cfg.persistent else num_items,), args, options
 
 
 def kernel_constexprs(cfg, head_dim_pad, mask_left, mask_right, varlen) -> dict:
@@ -609,7 +679,7 @@ def kernel_constexprs(cfg, head_dim_pad, mask_left, mask_right, varlen) -> dict:
         MASK_LEFT=mask_left, MASK_RIGHT=mask_right, VARLEN=varlen,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         WITH_DQ=cfg.with_dq, DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
-        DQ_WRITER=cfg.writer_adds_dq,
+        DQ_WRITER=cfg.writer_adds_dq, PERSISTENT=cfg.persistent,
     )
 
 

@@ -153,7 +153,7 @@ def attention_bwd_wide_kernel(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = Q_desc.dtype
-    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, ready, empty = producer_buffers(
+    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, ready, empty = producer_buffers(
         Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES, BLOCK_M)
     # Each consumer's P^T and dS^T of its queries (keys x BLOCK_M / 2), for the other one.
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
@@ -174,7 +174,7 @@ def attention_bwd_wide_kernel(
                      window_left, window_right, num_items, section_heads, 1,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
         (producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                     kv_ready, ready, empty, LSE2, Delta, stride_lb, stride_lh,
+                     kv_ready, kv_empty, ready, empty, LSE2, Delta, stride_lb, stride_lh,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
                      num_items, section_heads, BLOCK_M, BLOCK_N, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
