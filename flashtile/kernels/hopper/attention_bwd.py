@@ -204,11 +204,12 @@ def producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, l
 
 
 @gluon.jit
-def producer_buffers(Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+def producer_buffers(Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                     PERSISTENT: gl.constexpr = False):
     """What :func:`producer` fills, allocated and its barriers initialised: the key and value
-    tiles with ``kv_ready`` (and ``kv_empty``, for persistent grids), and the ring of Q / dO
-    tiles and LSE / delta rows with a *ready* barrier (the tiles' expect and the rows' landing)
-    and an *empty* one (both consumers) a slot."""
+    tiles with ``kv_ready`` (and ``kv_empty``, initialised for persistent grids only), and the
+    ring of Q / dO tiles and LSE / delta rows with a *ready* barrier (the tiles' expect and the
+    rows' landing) and an *empty* one (both consumers) a slot."""
     dtype: gl.constexpr = Q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, K_desc.block_type.shape, K_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, V_desc.block_type.shape, V_desc.layout)
@@ -222,7 +223,10 @@ def producer_buffers(Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES: gl.constexpr, 
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_empty, count=2)  # both consumers are done with a key tile (persistent grids)
+    if PERSISTENT:
+        # Both consumers are done with a key tile.  Without a persistent grid nothing uses it, and
+        # initialised it would be an mbarrier in memory that the compiler lends to other buffers.
+        mbarrier.init(kv_empty, count=2)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=2)
         mbarrier.init(empty.index(i), count=2)
@@ -502,7 +506,7 @@ def attention_bwd_kernel(
     KEYS: gl.constexpr = CONSUMER_KEYS
     DS_BUFS: gl.constexpr = 2 if DQ_LAG else 1
     k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, ready, empty = producer_buffers(
-        Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES, BLOCK_M)
+        Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES, BLOCK_M, PERSISTENT)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     if DQ_TMA:  # each consumer's dQ share, staged for the TMA add
@@ -512,11 +516,15 @@ def attention_bwd_kernel(
     ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(dq_full.index(i), count=1)  # consumer i has staged its dQ share
-        mbarrier.init(dq_empty.index(i), count=1)  # the TMA engine has read it
-    for i in gl.static_range(DS_BUFS):
-        mbarrier.init(ds_ready.index(i), count=2)  # both consumers have written their rows of dS
+    # Only the barriers a configuration uses are initialised: one that is never waited on may
+    # share its memory with other buffers, which only plain memory may.
+    if DQ_WRITER:
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full.index(i), count=1)  # consumer i has staged its dQ share
+            mbarrier.init(dq_empty.index(i), count=1)  # the TMA engine has read it
+    if WITH_DQ:
+        for i in gl.static_range(DS_BUFS):
+            mbarrier.init(ds_ready.index(i), count=2)  # both consumers have written their rows of dS
 
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem.index(0), dq_full.index(0),

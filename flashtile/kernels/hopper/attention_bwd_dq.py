@@ -254,9 +254,10 @@ def attention_bwd_dq_kernel(
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-    for i in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(turns.index(i), count=1)
-    mbarrier.arrive(turns.index(0), count=1)  # consumer 0 issues first (``turns``)
+    if PINGPONG:  # (as in the forward: no turns, no barriers to initialise)
+        for i in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(turns.index(i), count=1)
+        mbarrier.arrive(turns.index(0), count=1)  # consumer 0 issues first (``turns``)
 
     consumer = (q_buf, do_buf, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
                 DQ, LSE2, Delta, CU_Q, CU_K, stride_qb, stride_qm, stride_qh, stride_lb, stride_lh,

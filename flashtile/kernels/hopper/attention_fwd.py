@@ -454,11 +454,14 @@ def attention_fwd_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-    for i in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(turns.index(i), count=1)
-    # Consumer 0 issues first: its turn barrier completes phase 0 now, each other consumer's
-    # when the one before it hands over.
-    mbarrier.arrive(turns.index(0), count=1)
+    if PINGPONG:
+        # (Without turns the barriers stay uninitialised: an mbarrier that is never waited on may
+        # share its memory with other buffers, which only plain memory may.)
+        for i in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(turns.index(i), count=1)
+        # Consumer 0 issues first: its turn barrier completes phase 0 now, each other consumer's
+        # when the one before it hands over.
+        mbarrier.arrive(turns.index(0), count=1)
 
     consumer = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
                 O, LSE, CU_Q, CU_K, DESCALES, ALIBI, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
