@@ -46,9 +46,10 @@ for part in $parts; do
                # pass's alternatives against tl.* and cuDNN
       run wide_bwd_tests 420 python3 -m pytest tests/kernels/hopper/test_attention_bwd_wide.py \
         tests/kernels/hopper/test_attention_bwd_dq.py -m gpu -q -n 4 -p no:cacheprovider -p no:warnings
+      dq_variants=$(python3 -c "from flashtile.kernels.hopper import attention_bwd_dq as m
+print(*('dq:' + a for a in m.ALTERNATIVES))")
       run wide_bwd_ab 240 python3 benchmarks/bench_hopper_bwd.py --headdims 256 --seqlens 1024 4096 16384 --variants \
-        $(python3 -c "from flashtile.kernels.hopper import attention_bwd_dq as m; print(*('dq:' + a for a in m.ALTERNATIVES))") \
-        --out "$RES/hopper_bwd_wide.jsonl" ;;
+        $dq_variants --out "$RES/hopper_bwd_wide.jsonl" ;;
     strided_tests) run strided_tests 120 python3 -m pytest tests/test_kvcache.py tests/kernels/test_attention_kernels.py \
                      -q -p no:cacheprovider -p no:warnings -k "strided or views or non_contiguous" ;;
     kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;

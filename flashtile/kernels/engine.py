@@ -57,8 +57,8 @@ GLUON_MAX_QUERY_ROWS = 2**31 - 1
 GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128 split by
 # keys between its consumers (``attention_bwd``), up to 256 by columns (``attention_bwd_wide``,
-# dQ in a second pass, ``attention_bwd_dq``).  ``auto`` takes the latter only once it has been measured against the
-# ``tl.*`` backward: until then it runs when forced.
+# dQ in a second pass, ``attention_bwd_dq``).  ``auto`` takes the latter only once it has been
+# measured against the ``tl.*`` backward: until then it runs when forced.
 GLUON_BACKWARD_MAX_HEADDIM = 256
 GLUON_BACKWARD_AUTO_MAX_HEADDIM = 128
 # A Gluon backward whose dK / dV kernel computes no dQ (``attention_bwd.returns_dq_workspace``)

@@ -138,7 +138,8 @@ def _attn_fwd(
             return
         b = 0  # from here on b is only the descriptors' first coordinate
 
-    lse_row = (bh // nheads).to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start  # also the dropout RNG's row
+    # Also the dropout RNG's row.
+    lse_row = (bh // nheads).to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
     # Packed: rows past seqlen_q are the next sequence's queries; computed, never stored.
     q = Q_desc.load([b, q_start + m0, h, 0]).reshape([BLOCK_M, HEAD_DIM])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

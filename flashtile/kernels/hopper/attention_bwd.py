@@ -450,9 +450,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                         mbarrier.arrive(empty.index(slot), count=1)
                         if c > 0:
                             prev_h, prev_m0 = step_rows(prev - base, hk, group, n_steps, lo, BLOCK_M)
-                            _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start, sq,
-                                    col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout,
-                                    BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
+                            _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start,
+                                    sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
+                                    dq_layout, BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
                     else:
                         mbarrier.wait(ds_ready.index(0), g & 1)
                         dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
@@ -460,9 +460,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                                            use_acc=False, is_async=True)
                         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
                         mbarrier.arrive(empty.index(slot), count=1)
-                        _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, g, dq, b, h, m0, q_start, sq, col_off, stride_dqb,
-                                stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN, DQ_TMA,
-                                DQ_WRITER)
+                        _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, g, dq, b, h, m0, q_start, sq, col_off,
+                                stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M,
+                                VARLEN, DQ_TMA, DQ_WRITER)
             if DQ_LAG and WITH_DQ:
                 if total > 0:
                     last = base + total - 1
@@ -472,9 +472,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=[dq])
                     last_h, last_m0 = step_rows(last - base, hk, group, n_steps, lo, BLOCK_M)
-                    _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, last_h, last_m0, q_start, sq, col_off,
-                            stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M, VARLEN,
-                            DQ_TMA, DQ_WRITER)
+                    _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, last, dq, b, last_h, last_m0, q_start, sq,
+                            col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout,
+                            BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
             if PERSISTENT:
                 mbarrier.arrive(kv_empty, count=1)  # K and V are no longer read: the next tile's may load
             kv_base = b.to(gl.int64) * stride_kb + hk * stride_kh + k_start.to(gl.int64) * stride_km
