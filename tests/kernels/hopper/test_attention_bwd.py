@@ -9,6 +9,7 @@ own error in the input dtype, plus a floor.
 import pytest
 import torch
 
+from backward_cases import NARROW_CASES, case_id, check_case, grads
 from helpers import (assert_close_to_reference, assert_packed_grads_match_per_sequence, is_hopper, random_like,
                      random_qkv, reference_attention_grads)
 
@@ -21,52 +22,6 @@ from flashtile.kernels.hopper import configured  # noqa: E402  (after the skip)
 pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
 
-FLOOR = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-def _grads(q, k, v, dout, **kw):
-    out = flashtile.flash_attn_func(q, k, v, **kw)
-    return torch.autograd.grad(out, (q, k, v), dout)
-
-
-CASES = [
-    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window
-    (1, 1, 1, 1, 1, 64, False, (-1, -1)),
-    (2, 17, 17, 2, 2, 128, False, (-1, -1)),
-    (1, 17, 17, 2, 1, 96, True, (-1, -1)),
-    (1, 1000, 1000, 2, 2, 128, True, (-1, -1)),
-    (1, 1000, 1000, 2, 2, 128, False, (-1, -1)),
-    (1, 4097, 4097, 2, 2, 64, False, (-1, -1)),
-    (2, 1000, 1000, 8, 1, 64, True, (-1, -1)),  # GQA 8:1
-    (1, 128, 1000, 2, 1, 40, False, (-1, -1)),  # Nq < Nk
-    (1, 1000, 130, 4, 2, 128, True, (-1, -1)),  # Nq > Nk: the first 870 rows see nothing
-    (1, 1000, 1000, 2, 2, 128, False, (64, 0)),  # sliding window
-    (1, 700, 900, 2, 1, 96, False, (100, 37)),
-    (3, 1500, 1500, 12, 4, 128, True, (-1, -1)),
-    (4, 2048, 2048, 8, 4, 64, True, (-1, -1)),  # 256 key tiles: several a program on a persistent grid
-]
-
-
-def _case_id(c):
-    return "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(*c[:6], "causal" if c[6] else "full", c[7])
-
-
-def _check_case(case, dtype, deterministic=False):
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype=dtype, device="cuda",
-                         requires_grad=True)
-    kw = dict(causal=causal, window_size=window)
-    dout = random_like(q, seed=1)
-    got = _grads(q, k, v, dout, deterministic=deterministic, **kw)
-    if deterministic:  # bitwise the same again
-        for name, a, b in zip(("dq", "dk", "dv"), got, _grads(q, k, v, dout, deterministic=True, **kw)):
-            assert torch.equal(a, b), name
-    ref = reference_attention_grads(q, k, v, dout, **kw)
-    low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
-    for name, g, r64, rlow in zip(("dq", "dk", "dv"), got, ref[2:], low[2:]):
-        assert_close_to_reference(g, r64, rlow, name, atol_floor=FLOOR[dtype])
-
-
 def _use_config(monkeypatch, spec):
     """Run the Gluon backward with configuration ``spec`` (``hopper.configured``; "": the default)."""
     monkeypatch.setattr(attention_bwd, "config_for", configured(attention_bwd.config_for, spec))
@@ -74,24 +29,24 @@ def _use_config(monkeypatch, spec):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", NARROW_CASES, ids=case_id)
 def test_gluon_backward_matches_reference(case, dtype):
-    _check_case(case, dtype)
+    check_case(case, dtype)
 
 
 @needs_hopper
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", NARROW_CASES, ids=case_id)
 def test_gluon_deterministic_backward_matches_reference(case):
     # dK and dV on the Gluon kernel without dQ, dQ on the tl.* dQ kernel.
-    _check_case(case, torch.bfloat16, deterministic=True)
+    check_case(case, torch.bfloat16, deterministic=True)
 
 
 @needs_hopper
 @pytest.mark.parametrize("alternative", attention_bwd.ALTERNATIVES)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", NARROW_CASES, ids=case_id)
 def test_gluon_backward_alternative_configurations_match_reference(case, alternative, monkeypatch):
     _use_config(monkeypatch, alternative)
-    _check_case(case, torch.bfloat16)
+    check_case(case, torch.bfloat16)
 
 
 @needs_hopper
@@ -127,9 +82,9 @@ def test_deterministic_backward_is_bitwise_reproducible(monkeypatch, d, causal):
     monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
     q, k, v = random_qkv(2, 1000, 1000, 4, 2, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dout = random_like(q, seed=1)
-    first = _grads(q, k, v, dout, causal=causal, deterministic=True)
+    first = grads(q, k, v, dout, causal=causal, deterministic=True)
     for _ in range(5):
-        again = _grads(q, k, v, dout, causal=causal, deterministic=True)
+        again = grads(q, k, v, dout, causal=causal, deterministic=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 

@@ -16,8 +16,7 @@ from flashtile.kernels import engine
 
 attention_bwd_dq = pytest.importorskip("flashtile.kernels.hopper.attention_bwd_dq")
 from flashtile.kernels.hopper import configured  # noqa: E402  (after the skip)
-from test_attention_bwd import CASES as NARROW_CASES, _case_id, _check_case  # noqa: E402
-from test_attention_bwd_wide import CASES as WIDE_CASES  # noqa: E402
+from backward_cases import NARROW_CASES, WIDE_CASES, case_id, check_case  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
@@ -52,11 +51,11 @@ def _use_config(monkeypatch, spec):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", NARROW_CASES + WIDE_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", NARROW_CASES + WIDE_CASES, ids=case_id)
 def test_dq_pass_matches_reference(case, dtype, dq_launches):
     # deterministic=True: dK and dV from the kernels that own key tiles, dQ from this pass (and
     # bitwise the same on a second run, which _check_case asserts).
-    _check_case(case, dtype, deterministic=True)
+    check_case(case, dtype, deterministic=True)
     assert dq_launches, "the dQ pass did not run"
 
 
@@ -68,10 +67,10 @@ ALTERNATIVE_CASES = [c for c in NARROW_CASES + WIDE_CASES
 
 @needs_hopper
 @pytest.mark.parametrize("spec", attention_bwd_dq.ALTERNATIVES)
-@pytest.mark.parametrize("case", ALTERNATIVE_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", ALTERNATIVE_CASES, ids=case_id)
 def test_dq_pass_alternatives_match_reference(case, spec, dq_launches, monkeypatch):
     _use_config(monkeypatch, spec)
-    _check_case(case, torch.bfloat16, deterministic=True)
+    check_case(case, torch.bfloat16, deterministic=True)
     assert dq_launches, "the dQ pass did not run"
 
 

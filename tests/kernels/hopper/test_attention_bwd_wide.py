@@ -9,6 +9,7 @@ backward tests' (``helpers.assert_close_to_reference``).
 import pytest
 import torch
 
+from backward_cases import FLOOR, WIDE_CASES, case_id, grads
 from helpers import (assert_close_to_reference, assert_packed_grads_match_per_sequence, is_hopper, random_like,
                      random_qkv, reference_attention_grads)
 
@@ -19,35 +20,9 @@ attention_bwd_wide = pytest.importorskip("flashtile.kernels.hopper.attention_bwd
 pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
 
-FLOOR = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-CASES = [
-    # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window
-    (1, 1, 1, 1, 1, 256, False, (-1, -1)),
-    (2, 17, 17, 2, 2, 256, False, (-1, -1)),
-    (1, 17, 17, 2, 1, 192, True, (-1, -1)),  # padded to 256: the last 64 columns neither read nor stored
-    (1, 1000, 1000, 2, 2, 256, True, (-1, -1)),
-    (1, 1000, 1000, 2, 2, 256, False, (-1, -1)),
-    (2, 1000, 1000, 8, 1, 256, True, (-1, -1)),  # GQA 8:1
-    (1, 128, 1000, 2, 1, 160, False, (-1, -1)),  # Nq < Nk
-    (1, 1000, 130, 4, 2, 256, True, (-1, -1)),  # Nq > Nk: the first 870 rows see nothing
-    (1, 700, 900, 2, 1, 256, False, (100, 37)),  # sliding window
-    (1, 4097, 4097, 2, 2, 256, False, (-1, -1)),
-]
-
-
-def _case_id(c):
-    return "b{}-q{}-k{}-h{}/{}-d{}-{}-w{}".format(*c[:6], "causal" if c[6] else "full", c[7])
-
-
-def _grads(q, k, v, dout, **kw):
-    out = flashtile.flash_attn_func(q, k, v, **kw)
-    return torch.autograd.grad(out, (q, k, v), dout)
-
-
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", WIDE_CASES, ids=case_id)
 def test_wide_backward_matches_reference(case, dtype, monkeypatch):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
     calls = []
@@ -57,7 +32,7 @@ def test_wide_backward_matches_reference(case, dtype, monkeypatch):
                          requires_grad=True)
     kw = dict(causal=causal, window_size=window)
     dout = random_like(q, seed=1)
-    got = _grads(q, k, v, dout, **kw)
+    got = grads(q, k, v, dout, **kw)
     assert calls, "the wide-head kernel did not run"
     ref = reference_attention_grads(q, k, v, dout, **kw)
     low = reference_attention_grads(q, k, v, dout, upcast=False, **kw)
@@ -77,6 +52,6 @@ def test_wide_backward_is_bitwise_reproducible():
     # Every program of the dK / dV kernel owns its keys' rows, and every one of the dQ pass its query rows.
     q, k, v = random_qkv(2, 1000, 1000, 4, 2, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dout = random_like(q, seed=1)
-    first = _grads(q, k, v, dout, causal=True)
+    first = grads(q, k, v, dout, causal=True)
     for _ in range(5):
-        assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, dout, causal=True)))
+        assert all(torch.equal(a, b) for a, b in zip(first, grads(q, k, v, dout, causal=True)))
