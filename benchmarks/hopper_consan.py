@@ -42,8 +42,11 @@ CASES = [(64, 600, 32, False, False), (64, 700, 24, True, False), (64, 700, 24, 
          ("bwd", 64, 300, 4, True, "", False), ("bwd", 128, 300, 4, True, "", True)]
 CASES += [("bwd", 128, 300, 4, True, spec, False) for spec in attention_bwd.ALTERNATIVES]
 CASES += [(64, 700, 24, True, False, -1, True), (128, 500, 24, False, False, -1, True)]
-CASES += [("bwd", 256, 300, 4, causal, "", False) for causal in (False, True)]
-CASES += [("bwd", 256, 300, 4, True, "dq:" + spec, False) for spec in attention_bwd_dq.ALTERNATIVES]
+# More key tiles (and query tiles) than SMs, so that the persistent programs hand over between
+# items: 3 tiles a head x 48 heads.
+CASES += [("bwd", 128, 300, 48, causal, "persistent=1", False) for causal in (False, True)]
+CASES += [("bwd", 256, 300, 48, causal, "", False) for causal in (False, True)]
+CASES += [("bwd", 256, 300, 48, True, "dq:" + spec, False) for spec in attention_bwd_dq.ALTERNATIVES]
 default_bwd_config, default_dq_config = attention_bwd.config_for, attention_bwd_dq.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     if CASES[case][0] == "bwd":
