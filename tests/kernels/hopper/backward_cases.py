@@ -42,6 +42,7 @@ WIDE_CASES = [
     (1, 1000, 130, 4, 2, 256, True, (-1, -1)),  # Nq > Nk: the first 870 rows see nothing
     (1, 700, 900, 2, 1, 256, False, (100, 37)),  # sliding window
     (1, 4097, 4097, 2, 2, 256, False, (-1, -1)),
+    (2, 2048, 2048, 16, 4, 256, True, (-1, -1)),  # 512 query tiles: several a program of the dQ pass
 ]
 
 
