@@ -42,12 +42,12 @@ for part in $parts; do
         -p no:warnings
       run tune_staged 200 python3 benchmarks/tune_softmax.py --out "$RES" --budget-s 150 \
         --cols 16384 32768 65536 262144 1048576 4194304 --configs "" "staged=1" "staged=1,staged_min_bytes=0" ;;
-    wide_bwd)  # the backward of head dims 129-256 (forced Gluon only) and its dQ pass: GPU tests, then the dQ
-               # pass's alternatives against tl.* and cuDNN
+    wide_bwd)  # the backward of head dims 129-256 (forced Gluon only) and its dQ pass: GPU tests, then their
+               # alternatives against tl.* and cuDNN
       run wide_bwd_tests 420 python3 -m pytest tests/kernels/hopper/test_attention_bwd_wide.py \
         tests/kernels/hopper/test_attention_bwd_dq.py -m gpu -q -n 4 -p no:cacheprovider -p no:warnings
-      dq_variants=$(python3 -c "from flashtile.kernels.hopper import attention_bwd_dq as m
-print(*('dq:' + a for a in m.ALTERNATIVES))")
+      dq_variants=$(python3 -c "from flashtile.kernels.hopper import attention_bwd_dq as dq, attention_bwd_wide as w
+print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIVES))")
       run wide_bwd_ab 240 python3 benchmarks/bench_hopper_bwd.py --headdims 256 --seqlens 1024 4096 16384 --variants \
         $dq_variants --out "$RES/hopper_bwd_wide.jsonl" ;;
     strided_tests) run strided_tests 120 python3 -m pytest tests/test_kvcache.py tests/kernels/test_attention_kernels.py \

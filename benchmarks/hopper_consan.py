@@ -7,8 +7,8 @@ hand-over between items (query buffer, K/V ring across items, ping-pong phases) 
 the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared dS tile, the dQ
 writer's staging tiles at d = 128), in its default configuration and in each of
 ``attention_bwd.ALTERNATIVES``; at d = 256 the wide-head dK / dV kernel and the dQ pass
-(``attention_bwd_dq``: its Q / dO buffers and K and V rings of their own depths), in the dQ
-pass's default and each of its ``ALTERNATIVES`` (specs ``dq:<spec>``)::
+(``attention_bwd_dq``: its Q / dO buffers and K and V rings of their own depths), in the
+defaults and each of the two kernels' ``ALTERNATIVES`` (specs ``dq:<spec>``, ``wide:<spec>``)::
 
     TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
 
@@ -22,7 +22,7 @@ import torch
 import triton
 
 from flashtile.kernels import attention as ka
-from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, configured
+from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide, configured
 from flashtile.kernels.hopper import attention_fwd as hopper
 from flashtile.kernels.tma import padded_headdim
 
@@ -47,14 +47,17 @@ CASES += [(64, 700, 24, True, False, -1, True), (128, 500, 24, False, False, -1,
 CASES += [("bwd", 128, 300, 48, causal, "persistent=1", False) for causal in (False, True)]
 CASES += [("bwd", 256, 300, 48, causal, "", False) for causal in (False, True)]
 CASES += [("bwd", 256, 300, 48, True, "dq:" + spec, False) for spec in attention_bwd_dq.ALTERNATIVES]
+CASES += [("bwd", 256, 300, 48, True, "wide:" + spec, False) for spec in attention_bwd_wide.ALTERNATIVES]
 default_bwd_config, default_dq_config = attention_bwd.config_for, attention_bwd_dq.config_for
+default_wide_config = attention_bwd_wide.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
     if CASES[case][0] == "bwd":
         _, d, n, heads, causal, spec, deterministic = CASES[case]
         os.environ["FLASHTILE_ENGINE"] = "gluon"
-        dq_spec = spec[3:] if spec.startswith("dq:") else ""
-        attention_bwd.config_for = configured(default_bwd_config, "" if dq_spec else spec)
-        attention_bwd_dq.config_for = configured(default_dq_config, dq_spec)
+        kernel, _, kernel_spec = spec.rpartition(":")
+        attention_bwd.config_for = configured(default_bwd_config, "" if kernel else spec)
+        attention_bwd_dq.config_for = configured(default_dq_config, kernel_spec if kernel == "dq" else "")
+        attention_bwd_wide.config_for = configured(default_wide_config, kernel_spec if kernel == "wide" else "")
         import flashtile
 
         q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

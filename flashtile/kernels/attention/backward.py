@@ -420,9 +420,10 @@ def _config_functions() -> tuple:
     hopper = sys.modules.get("flashtile.kernels.hopper.attention_bwd")
     if hopper is None:
         return (bwd_config,)
-    from flashtile.kernels.hopper import attention_bwd_dq
+    from flashtile.kernels.hopper import attention_bwd_dq, attention_bwd_wide
 
-    return bwd_config, hopper.config_for, hopper.deterministic_config, attention_bwd_dq.config_for
+    return (bwd_config, hopper.config_for, hopper.deterministic_config, attention_bwd_wide.config_for,
+            attention_bwd_dq.config_for)
 
 
 

@@ -55,6 +55,11 @@ SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 25
                       ("backward_dq", 64): 32, ("backward_dq", 128): 32, ("backward_dq", 256): 32,
                       ("fp8", 64): 32, ("fp8", 128): 32}
 
+# Alternatives with a budget of their own (kernel, spec): the wide-head backward on a persistent
+# grid keeps its per-tile values and ring counts beside dK and dV (offline ptxas, d = 256:
+# 112-208 bytes spilled against 24-56 for one program per tile; a few words reloaded a step).
+ALTERNATIVE_SPILL_BUDGET = {("backward_wide", "persistent=1"): 224}
+
 # The forward with a softcap or ALiBi (``compile_forward(softcap=..., alibi=...)``): the
 # softcap's tanh and ALiBi's key distances beside the score tile leave a few words of the
 # loop in local memory at d >= 128 (offline ptxas, bf16: d = 128 16-76 bytes, d = 256 16-24);
@@ -130,11 +135,12 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
 
 
 def compile_backward_wide(hd: int = 256, causal: bool = False, window: bool = False, varlen: bool = False,
-                          dtype: str = "bf16", **constexprs):
+                          dtype: str = "bf16", alternative: str = "", **constexprs):
     """The wide-head backward kernel (``attention_bwd_wide``: dK and dV) as it launches for head
-    dim ``hd`` (a power of two above 128), compiled for sm_90a (``constexprs``: integer
-    arguments the JIT would specialise, as ``compile_backward``'s)."""
-    cfg = bwd_wide.config_for(hd)
+    dim ``hd`` (a power of two above 128), compiled for sm_90a (``alternative``: one of
+    ``attention_bwd_wide.ALTERNATIVES``; ``constexprs``: integer arguments the JIT would
+    specialise, as ``compile_backward``'s)."""
+    cfg = bwd_wide.config_from_spec(hd, alternative)
     fn = bwd_wide.attention_bwd_wide_kernel
     ints = ("stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k max_seqlen_k nheads_k group headdim "
             "window_left window_right num_items section_heads").split()
@@ -223,12 +229,14 @@ def uses_wgmma(variant: dict) -> bool:
 
 def spill_budget(variant: dict) -> int:
     """Spilled bytes tolerated for one ``variants()`` entry: ``SPILL_STORE_BUDGET``, or
-    ``SCORE_MOD_SPILL_BUDGET`` for a forward with a softcap or ALiBi."""
+    ``SCORE_MOD_SPILL_BUDGET`` for a forward with a softcap or ALiBi, or an alternative's own
+    ``ALTERNATIVE_SPILL_BUDGET``."""
     if variant["kernel"] == "softmax":
         return 0
     if variant.get("softcap") or variant.get("alibi"):
         return SCORE_MOD_SPILL_BUDGET[variant["hd"]]
-    return SPILL_STORE_BUDGET[variant["kernel"], variant["hd"]]
+    own = ALTERNATIVE_SPILL_BUDGET.get((variant["kernel"], variant.get("alternative", "")))
+    return own if own is not None else SPILL_STORE_BUDGET[variant["kernel"], variant["hd"]]
 
 
 def within_budget(rep: dict, variant: dict) -> bool:
@@ -293,6 +301,10 @@ def variants():
         yield dict(kernel="backward_wide", hd=256, causal=causal, window=window, varlen=varlen, dtype=dtype)
     yield dict(kernel="backward_wide", hd=256, causal=False, window=False, varlen=False, dtype="bf16",
                **{name: 1 for name in ONE_ROW_CONSTANTS})
+    for alternative, (causal, window), varlen in itertools.product(
+            bwd_wide.ALTERNATIVES, ((False, False), (True, False), (False, True)), (False, True)):
+        yield dict(kernel="backward_wide", hd=256, causal=causal, window=window, varlen=varlen, dtype="bf16",
+                   alternative=alternative)
     # The dQ pass of the wide-head backward wherever it runs, its alternatives, and its tiles
     # at d <= 128 (reached by tests and benchmarks only: ``engine.separate_dq_engine``).
     for (causal, window), varlen, dtype in itertools.product(((False, False), (True, False), (False, True)),

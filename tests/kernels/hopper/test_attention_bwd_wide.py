@@ -9,13 +9,14 @@ backward tests' (``helpers.assert_close_to_reference``).
 import pytest
 import torch
 
-from backward_cases import FLOOR, WIDE_CASES, case_id, grads
+from backward_cases import FLOOR, WIDE_CASES, case_id, check_case, grads
 from helpers import (assert_close_to_reference, assert_packed_grads_match_per_sequence, is_hopper, random_like,
                      random_qkv, reference_attention_grads)
 
 import flashtile
 
 attention_bwd_wide = pytest.importorskip("flashtile.kernels.hopper.attention_bwd_wide")
+from flashtile.kernels.hopper import configured  # noqa: E402  (after the skip)
 
 pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
@@ -40,10 +41,25 @@ def test_wide_backward_matches_reference(case, dtype, monkeypatch):
         assert_close_to_reference(g, r64, rlow, name, atol_floor=FLOOR[dtype])
 
 
+def _use_config(monkeypatch, spec):
+    """Run the wide-head kernel with configuration ``spec`` (``hopper.configured``; "": the default)."""
+    monkeypatch.setattr(attention_bwd_wide, "config_for", configured(attention_bwd_wide.config_for, spec))
+
+
 @needs_hopper
+@pytest.mark.parametrize("spec", attention_bwd_wide.ALTERNATIVES)
+@pytest.mark.parametrize("case", WIDE_CASES, ids=case_id)
+def test_wide_backward_alternatives_match_reference(case, spec, monkeypatch):
+    _use_config(monkeypatch, spec)
+    check_case(case, torch.bfloat16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("spec", ("",) + attention_bwd_wide.ALTERNATIVES, ids=lambda spec: spec or "default")
 @pytest.mark.parametrize("causal", [False, True])
-def test_wide_varlen_backward_matches_dense_per_sequence(causal):
+def test_wide_varlen_backward_matches_dense_per_sequence(causal, spec, monkeypatch):
     # Zero-length and one-row sequences, and sequences whose last key tile is partial.
+    _use_config(monkeypatch, spec)
     assert_packed_grads_match_per_sequence([0, 1, 17, 300, 1000, 65], 4, 2, 256, causal)
 
 

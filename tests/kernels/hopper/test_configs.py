@@ -11,7 +11,8 @@ import pytest
 
 hopper = pytest.importorskip("flashtile.kernels.hopper")
 from flashtile.kernels.engine import SHORT_MASKED_ROWS, THREE_CONSUMERS_MIN_ROWS  # noqa: E402
-from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_fp8, attention_fwd  # noqa: E402
+from flashtile.kernels.hopper import (attention_bwd, attention_bwd_dq, attention_bwd_wide, attention_fp8,  # noqa: E402
+                                     attention_fwd)
 
 
 def test_config_changes_parses_integer_keywords():
@@ -118,3 +119,11 @@ def test_only_wide_heads_take_the_gluon_dq_pass():
     assert [separate_dq_engine(d) for d in (64, 128, 256)] == ["triton", "triton", "gluon"]
     assert not attention_bwd.returns_dq_workspace(256, False) and not attention_bwd.returns_dq_workspace(128, True)
     assert attention_bwd.returns_dq_workspace(128, False)
+
+
+@pytest.mark.parametrize("spec", attention_bwd_wide.ALTERNATIVES)
+def test_wide_backward_alternatives_change_the_default(spec):
+    default, changed = attention_bwd_wide.config_for(256), attention_bwd_wide.config_from_spec(256, spec)
+    assert changed != default
+    for name, value in hopper.config_changes(spec).items():
+        assert getattr(changed, name) == value
