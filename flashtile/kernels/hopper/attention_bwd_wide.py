@@ -20,9 +20,11 @@ programs own query rows computes it (``attention_bwd_dq``, chosen by
 ``engine.separate_dq_engine`` in ``backward.py``), so these calls are bitwise reproducible
 whether or not ``deterministic`` asks for it.
 
-A consumer rewrites its exchange tiles in step ``c`` only after both consumers released step
-``c - 1``'s ring slot, which they do once that step's products -- the tiles' last readers --
-have retired; the tiles of a step are ready when both consumers have arrived on ``x_ready``.
+A consumer rewrites its exchange tiles in step ``g`` (its ring count) only after both
+consumers released step ``g - 1``'s ring slot, which they do once that step's products -- the
+tiles' last readers -- have retired; the tiles of a step are ready when both consumers have
+arrived on ``x_ready``.  With ``persistent`` (an alternative) a program walks key tiles as
+``attention_bwd``'s persistent form does, and the ring count runs across them.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ NARROW_CASES = [
     (1, 700, 900, 2, 1, 96, False, (100, 37)),
     (3, 1500, 1500, 12, 4, 128, True, (-1, -1)),
     (4, 2048, 2048, 8, 4, 64, True, (-1, -1)),  # 256 key tiles: several a program on a persistent grid
+    (1, 200, 8192, 4, 2, 128, False, (100, 0)),  # 256 key tiles, most seen by no query, between the others
 ]
 
 # Head dims 129-256 (``attention_bwd_wide`` and the dQ pass).
@@ -43,6 +44,7 @@ WIDE_CASES = [
     (1, 700, 900, 2, 1, 256, False, (100, 37)),  # sliding window
     (1, 4097, 4097, 2, 2, 256, False, (-1, -1)),
     (2, 2048, 2048, 16, 4, 256, True, (-1, -1)),  # 512 query tiles: several a program of the dQ pass
+    (1, 200, 8192, 4, 2, 256, False, (100, 0)),  # 512 key tiles, most seen by no query, between the others
 ]
 
 
