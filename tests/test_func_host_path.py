@@ -458,6 +458,23 @@ def test_stubbed_wide_backward_plans_launch_what_the_general_path_launches(stubb
 
 
 @in_child
+def test_stubbed_backward_plans_follow_the_dq_pass_rule(stubbed, monkeypatch):
+    """A deterministic call at d = 128 takes dQ from the tl.* kernel; with the Gluon dQ pass's
+    threshold lowered (as bench_deterministic.py and the dQ pass's tests do) the same shapes
+    get a new plan that launches the pass, as the general path does."""
+    from flashtile.kernels import engine
+
+    launches, inputs = stubbed
+    planned = _backward_three_ways(stubbed, monkeypatch, "auto", 128, False, "deterministic")
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "_attn_bwd_dq"]
+    launches.clear()
+    inputs.clear()  # the next tensors may take the addresses of these
+    monkeypatch.setattr(engine, "GLUON_DQ_MIN_HEADDIM", 0)
+    planned = _backward_three_ways(stubbed, monkeypatch, "auto", 128, False, "deterministic")
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "attention_bwd_dq_kernel"]
+
+
+@in_child
 def test_stubbed_gluon_backward_lets_go_of_the_preprocess_rows_before_dq_conversion(stubbed, monkeypatch):
     # dQ's conversion holds the fp32 workspace, dQ, dK and dV at once (the backward's peak of
     # memory): delta and the log2 LSE are dropped before it, on the general path and the plan.

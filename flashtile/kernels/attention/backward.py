@@ -415,15 +415,24 @@ def clear_plans() -> None:
     cache.clear()
 
 
+_gluon_modules = None  # (engine, attention_bwd_wide, attention_bwd_dq), once the Gluon backward is loaded
+
+
 def _config_functions() -> tuple:
-    """The functions that pick the tiles (tests and A/B benchmarks replace them): part of the key."""
+    """The functions that pick the tiles, and the head dim from which a separate dQ pass is the
+    Gluon one (tests and A/B benchmarks replace them): part of the key."""
+    global _gluon_modules
     hopper = sys.modules.get("flashtile.kernels.hopper.attention_bwd")
     if hopper is None:
         return (bwd_config,)
-    from flashtile.kernels.hopper import attention_bwd_dq, attention_bwd_wide
+    if _gluon_modules is None:
+        from flashtile.kernels import engine
+        from flashtile.kernels.hopper import attention_bwd_dq, attention_bwd_wide
 
-    return (bwd_config, hopper.config_for, hopper.deterministic_config, attention_bwd_wide.config_for,
-            attention_bwd_dq.config_for)
+        _gluon_modules = engine, attention_bwd_wide, attention_bwd_dq
+    engine, wide, dq = _gluon_modules
+    return (bwd_config, hopper.config_for, hopper.deterministic_config, wide.config_for, dq.config_for,
+            engine.GLUON_DQ_MIN_HEADDIM)
 
 
 
