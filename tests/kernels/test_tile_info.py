@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.tile_info import _imbalance, dealt_tile, schedule, section_heads
+from flashtile.kernels.tile_info import _imbalance, dealt_tile, key_tile_costs, schedule, section_heads
+from flashtile.masking import visible
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -102,3 +103,33 @@ def test_schedule_keeps_gqa_groups_whole(max_section, unit):
         assert section % unit == 0 and max_section // 2 - unit < section <= max_section
     else:
         assert 1 <= section <= max_section
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,left,right", [
+    (1000, 1000, -1, 0), (300, 1000, -1, 0), (1000, 130, -1, 0), (700, 900, 100, 37), (200, 2000, 100, 0),
+    (17, 17, -1, -1),
+])
+def test_key_tile_costs_count_the_query_tiles_that_see_each_key_tile(seqlen_q, seqlen_k, left, right):
+    block_m, block_n, group = 64, 128, 3
+    costs = key_tile_costs(seqlen_q, seqlen_k, block_m, block_n, left, right, group)
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    seen = visible(i, j, seqlen_q, seqlen_k, left, right)
+    expected = []
+    for n0 in range(0, seqlen_k, block_n):
+        rows = seen[:, n0:n0 + block_n].any(1).nonzero().flatten().tolist()
+        # The kernels walk the query tiles from the first row that sees the tile to the last.
+        tiles = len(range(rows[0] // block_m, rows[-1] // block_m + 1)) if rows else 0
+        expected.append(tiles * group + 1)
+    assert costs == tuple(reversed(expected))  # heaviest last, as schedule's model deals them
+
+
+def test_the_backward_order_is_the_model_of_the_reversed_key_tile_costs():
+    # dealt_tile deals a backward section's first key tiles first where the forward deals its
+    # last query tiles first: schedule's model of the reversed costs is the backward's load.
+    costs_by_tile = tuple(reversed(key_tile_costs(4096, 4096, 64, 128, -1, 0)))  # key tile order
+    num_tiles, heads, programs = len(costs_by_tile), 24, 132
+    for section in (24, 13, 7):
+        load = _loads(deal(num_tiles, heads, section, True, False), costs_by_tile, programs)
+        modelled = _imbalance(tuple(reversed(costs_by_tile)), heads, section, programs)
+        assert max(load) * programs / sum(load) == pytest.approx(modelled)

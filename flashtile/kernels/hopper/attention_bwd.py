@@ -80,7 +80,7 @@ from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask, query_tiles
 from flashtile.kernels.plans import stand_ins
 from flashtile.kernels.runtime import cdiv, l2_bytes, sm_count
-from flashtile.kernels.tile_info import dealt_tile, section_heads, sequence_bounds
+from flashtile.kernels.tile_info import dealt_tile, key_tile_costs, schedule, section_heads, sequence_bounds
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 
 LOG2E = 1.4426950408889634
@@ -648,17 +648,26 @@ def row_strides(t, varlen: bool) -> tuple:
     return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, block_n) -> tuple:
-    """``(num_items, scalars)``: the work items of ``block_n``-key tiles and both backward
-    kernels' trailing arguments -- sizes, scales, the window, the item count and the causal
-    schedule's section of heads (``key_tile_work``)."""
-    num_items = cdiv(layout.seqlen_k, block_n) * layout.batch * layout.nheads_k
+def key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, cfg) -> tuple:
+    """``(grid, scalars)``: the grid of ``cfg``'s ``block_n``-key tiles (one program per tile, or
+    per SM with ``cfg.persistent``) and both backward kernels' trailing arguments -- sizes,
+    scales, the window, the item count and the causal schedule's section of heads
+    (``key_tile_work``): the heads whose Q and dO fit in half of L2, and on a persistent grid
+    the size below that whose round-robin shares come out most even
+    (``tile_info.schedule``)."""
+    num_items = cdiv(layout.seqlen_k, cfg.block_n) * layout.batch * layout.nheads_k
     group = layout.nheads // layout.nheads_k
-    return num_items, (
+    heads = layout.batch * layout.nheads_k
+    section = section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * group, heads,
+                            l2_bytes(q.device.index) // 2)
+    programs = min(num_items, sm_count(q.device.index)) if cfg.persistent else num_items
+    if cfg.persistent and window_right >= 0:
+        costs = key_tile_costs(layout.seqlen_q, layout.seqlen_k, cfg.block_m, cfg.block_n, window_left, window_right,
+                               group)
+        section = schedule(costs, heads, programs, section)
+    return (programs,), (
         layout.rows_q, layout.rows_k, layout.seqlen_k, layout.nheads_k, group, headdim,
-        softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items,
-        section_heads(2 * layout.seqlen_q * q.shape[-1] * q.element_size() * group,
-                      layout.batch * layout.nheads_k, l2_bytes(q.device.index) // 2),
+        softmax_scale * LOG2E, softmax_scale, window_left, window_right, num_items, section,
     )
 
 
@@ -667,7 +676,7 @@ def _launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, headdim, so
     """``(grid, args, options)`` of the kernel's launch: the general launcher's and a launch
     plan's sample (``make`` builds the descriptors; a plan turns them into templates)."""
     hd = padded_headdim(headdim)
-    num_items, scalars = key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, cfg.block_n)
+    grid, scalars = key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, cfg)
     cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
     args = (
         *operand_tiles(layout, q, k, v, dout, cfg, hd, make),
@@ -676,7 +685,7 @@ def _launch_args(layout, q, k, v, dout, dq_acc, dk, dv, lse2, delta, headdim, so
     )
     options = dict(kernel_constexprs(cfg, hd, window_left >= 0, window_right >= 0, layout.varlen),
                    num_warps=4, maxnreg=cfg.maxnreg)
-    return (min(num_items, sm_count(q.device.index)) if cfg.persistent else num_items,), args, options
+    return grid, args, options
 
 
 def kernel_constexprs(cfg, head_dim_pad, mask_left, mask_right, varlen) -> dict:

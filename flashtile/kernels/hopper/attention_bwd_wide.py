@@ -45,7 +45,7 @@ from flashtile.kernels.hopper.descriptors import descriptor
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask
 from flashtile.kernels.plans import stand_ins
-from flashtile.kernels.runtime import cdiv, sm_count
+from flashtile.kernels.runtime import cdiv
 from flashtile.kernels.tma import DescriptorTemplate, padded_headdim
 
 # The head dims this kernel is for (above attention_bwd.MAX_HEADDIM): d / 2 columns of dK and
@@ -241,13 +241,13 @@ def _launch_args(layout, q, k, v, dout, dk, dv, lse2, delta, headdim, softmax_sc
     """``(grid, args, options)`` of the kernel's launch (``make`` builds the descriptors; a plan
     turns them into templates)."""
     hd = padded_headdim(headdim)
-    num_items, scalars = key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, cfg.block_n)
+    grid, scalars = key_tile_args(layout, q, headdim, softmax_scale, window_left, window_right, cfg)
     cu_q, cu_k, stride_lb, stride_lh = layout.seq_args(lse2)
     args = (*operand_tiles(layout, q, k, v, dout, cfg, hd, make), dk, dv, lse2, delta, cu_q, cu_k,
             *row_strides(dk, layout.varlen), stride_lb, stride_lh, *scalars)
     options = dict(kernel_constexprs(cfg, hd, window_left >= 0, window_right >= 0, layout.varlen),
                    num_warps=4, maxnreg=cfg.maxnreg)
-    return (min(num_items, sm_count(q.device.index)) if cfg.persistent else num_items,), args, options
+    return grid, args, options
 
 
 # The launch arguments a call passes (q, k, v, dO, dK, dV, the LSE and delta, and the two
