@@ -332,7 +332,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
               DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Keys ``[key_off, key_off + 64)`` of the program's key tile (their dK, dV and dS rows),
+    """Keys ``[key_off, key_off + 64)`` of each of the program's key tiles (their dK, dV and dS rows),
     and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ (without ``WITH_DQ``:
     no dQ, and the consumers never wait for each other; the dS tile stays in registers).
 
