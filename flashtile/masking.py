@@ -69,6 +69,20 @@ def key_range(q_start: int, q_end: int, seqlen_q: int, seqlen_k: int, left: int,
     return max(lo, 0), max(min(hi, seqlen_k), 0)
 
 
+def query_range(k_start: int, k_end: int, seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
+    """Half-open range ``[lo, hi)`` of queries that may see any key in ``[k_start, k_end)``
+    (``key_range`` the other way round: the query tiles a backward's key tile visits).  The
+    range can be empty (``lo >= hi``)."""
+    offset = seqlen_k - seqlen_q
+    k_end = min(k_end, seqlen_k)
+    lo, hi = 0, seqlen_q
+    if right >= 0:
+        lo = max(lo, k_start - offset - right)
+    if left >= 0:
+        hi = min(hi, (k_end - 1) - offset + left + 1)
+    return max(min(lo, seqlen_q), 0), max(hi, 0)
+
+
 def mask_array(seqlen_q: int, seqlen_k: int, left: int, right: int, xp=None, device=None):
     """The full ``(seqlen_q, seqlen_k)`` boolean visibility matrix (references and tests only).
 

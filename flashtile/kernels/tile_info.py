@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels.runtime import cdiv
-from flashtile.masking import key_range
+from flashtile.masking import key_range, query_range
 
 
 @triton.jit
@@ -155,24 +155,13 @@ def query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_r
 
 def key_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right, group=1) -> tuple:
     """Per key tile of the backward, in the order :func:`schedule`'s model deals them (heaviest
-    last): the query-tile steps that see it (``n_steps * group``, as the kernels'
-    ``query_tiles`` rounds them) plus one for its fixed work (the K and V load, the dK and dV
-    store)."""
-    off = seqlen_k - seqlen_q
-
-    def floor_to(x):
-        return max(x, 0) // block_m * block_m
-
-    def ceil_to(x):
-        return (max(x, 0) + block_m - 1) // block_m * block_m
-
+    last): the query-tile steps that see it (the band's ``query_range``, as the kernels'
+    ``query_tiles`` rounds it, for each of the ``group`` query heads) plus one for its fixed
+    work (the K and V load, the dK and dV store)."""
     costs = []
     for n0 in range(0, seqlen_k, block_n):
-        lo = n0 - off - window_right if window_right >= 0 else 0
-        hi = seqlen_q if window_left < 0 else min(seqlen_q, n0 + block_n - off + window_left)
-        hi = max(hi, 0)
-        lo = min(floor_to(lo), ceil_to(hi))
-        costs.append(cdiv(max(hi - lo, 0), block_m) * group + 1)
+        lo, hi = query_range(n0, n0 + block_n, seqlen_q, seqlen_k, window_left, window_right)
+        costs.append((cdiv(hi, block_m) - lo // block_m if hi > lo else 0) * group + 1)
     # The backward deals a section's first key tiles (the heaviest) first where the forward
     # deals its last query tiles first: reversed, the same model holds.
     return tuple(reversed(costs))

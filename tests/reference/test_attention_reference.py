@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flashtile.reference.attention as attention_module
+from flashtile.masking import key_range, query_range, visible
 from flashtile.reference import (
     attention_1d,
     attention_backward_blocked,
@@ -294,6 +295,27 @@ def test_causal_is_bottom_right_tril(seqlen_q, seqlen_k):
     assert np.isfinite(lse_c[..., -1]).all()
     n_empty = max(seqlen_q - seqlen_k, 0)
     assert np.isneginf(lse_c[..., :n_empty]).all() and np.isfinite(lse_c[..., n_empty:]).all()
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,left,right", [(9, 9, -1, 0), (5, 12, 3, 0), (12, 5, -1, 0),
+                                                         (10, 10, 2, 1), (7, 7, -1, -1), (6, 30, 4, 2)])
+def test_key_and_query_ranges_are_the_bands_bounds(seqlen_q, seqlen_k, left, right):
+    # key_range: the keys a run of queries may see; query_range: the queries a run of keys may
+    # be seen by -- each exactly the span of the visible pairs, empty where there are none.
+    seen = visible(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :], seqlen_q, seqlen_k, left, right)
+
+    def span(flags):
+        idx = np.flatnonzero(flags)
+        return (int(idx[0]), int(idx[-1]) + 1) if idx.size else None
+
+    for a in range(seqlen_q):
+        for b in range(a + 1, seqlen_q + 1):
+            lo, hi = key_range(a, b, seqlen_q, seqlen_k, left, right)
+            assert (lo, hi) == span(seen[a:b].any(0)) if lo < hi else span(seen[a:b].any(0)) is None
+    for a in range(seqlen_k):
+        for b in range(a + 1, seqlen_k + 4):  # a run may reach past the last key
+            lo, hi = query_range(a, b, seqlen_q, seqlen_k, left, right)
+            assert (lo, hi) == span(seen[:, a:b].any(1)) if lo < hi else span(seen[:, a:b].any(1)) is None
 
 
 def _count_tiles(monkeypatch):
