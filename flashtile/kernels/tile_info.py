@@ -153,6 +153,7 @@ def query_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_r
     return tuple(costs)
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a backward call would otherwise walk its key tiles
 def key_tile_costs(seqlen_q, seqlen_k, block_m, block_n, window_left, window_right, group=1) -> tuple:
     """Per key tile of the backward, in the order :func:`schedule`'s model deals them (heaviest
     last): the query-tile steps that see it (the band's ``query_range``, as the kernels'

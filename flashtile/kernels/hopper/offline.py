@@ -88,6 +88,19 @@ def _aligned(fn, names) -> dict:
     return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
 
 
+# The forward's arguments that an ordinary call passes 16-divisible (16-bit and FP8 alike).
+_FORWARD_ALIGNED = ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim")
+
+
+def _compile(fn, sig: dict, constexprs: dict, aligned: tuple, options: dict):
+    """``fn`` compiled for sm_90a: ``sig`` the runtime arguments' types, ``constexprs`` marked as
+    such, the ``aligned`` arguments 16-divisible (``_aligned``), launch ``options`` (warps, the
+    register cap)."""
+    sig = {**sig, **{name: "constexpr" for name in constexprs}}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=_aligned(fn, aligned))
+    return triton.compile(src, target=TARGET, options=options)
+
+
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
                     dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = "",
                     two_consumers: bool = False, softcap: bool = False, alibi: bool = False):
@@ -105,10 +118,7 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
            "softcap_log2": "fp32", **{name: "i32" for name in ints}}
     options = fwd.kernel_constexprs(cfg, hd, 0 if window else -1, 0 if causal or window else -1, varlen, softcap, alibi)
     compile_options = {name: options.pop(name) for name in ("num_warps", "maxnreg")}
-    sig.update({name: "constexpr" for name in options})
-    attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=options, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=compile_options)
+    return _compile(fn, sig, options, _FORWARD_ALIGNED, compile_options)
 
 
 def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
@@ -127,11 +137,9 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
            "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "softmax_scale": "fp32",
            **{name: "i32" for name in ints}}
     consts = {**bwd.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
-    sig.update({name: "constexpr" for name in consts})
-    attrs = _aligned(fn, ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb",
-                          "stride_km", "stride_kh", "stride_lb", "stride_lh", "headdim"))
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+    aligned = ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb", "stride_km",
+               "stride_kh", "stride_lb", "stride_lh", "headdim")
+    return _compile(fn, sig, consts, aligned, {"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 
 def compile_backward_wide(hd: int = 256, causal: bool = False, window: bool = False, varlen: bool = False,
@@ -149,11 +157,8 @@ def compile_backward_wide(hd: int = 256, causal: bool = False, window: bool = Fa
            "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
            "qk_scale": "fp32", "softmax_scale": "fp32", **{name: "i32" for name in ints}}
     consts = {**bwd_wide.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
-    sig.update({name: "constexpr" for name in consts})
-    attrs = _aligned(fn, ("DK", "DV", "LSE2", "Delta", "stride_kb", "stride_km", "stride_kh", "stride_lb", "stride_lh",
-                          "headdim"))
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+    aligned = ("DK", "DV", "LSE2", "Delta", "stride_kb", "stride_km", "stride_kh", "stride_lb", "stride_lh", "headdim")
+    return _compile(fn, sig, consts, aligned, {"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 
 def compile_backward_dq(hd: int = 256, causal: bool = False, window: bool = False, varlen: bool = False,
@@ -171,11 +176,8 @@ def compile_backward_dq(hd: int = 256, causal: bool = False, window: bool = Fals
            "qk_scale": "fp32", "softmax_scale": "fp32", **{name: "i32" for name in ints}}
     options = {**bwd_dq.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
     compile_options = {name: options.pop(name) for name in ("num_warps", "maxnreg")}
-    sig.update({name: "constexpr" for name in options})
-    attrs = _aligned(fn, ("DQ", "LSE2", "Delta", "stride_qb", "stride_qm", "stride_qh", "stride_lb", "stride_lh",
-                          "headdim"))
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=options, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=compile_options)
+    aligned = ("DQ", "LSE2", "Delta", "stride_qb", "stride_qm", "stride_qh", "stride_lb", "stride_lh", "headdim")
+    return _compile(fn, sig, options, aligned, compile_options)
 
 
 def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | None = None, alternative: str = ""):
@@ -194,10 +196,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
               "PINGPONG": cfg.pingpong, "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
               "FP8": True,
               "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order, "HAS_SOFTCAP": False, "HAS_ALIBI": False}
-    sig.update({name: "constexpr" for name in consts})
-    attrs = _aligned(fn, ("O", "LSE", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "headdim"))
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": cfg.maxnreg})
+    return _compile(fn, sig, consts, _FORWARD_ALIGNED, {"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 
 def compile_softmax(direction: str, dtype: str = "bf16", log: bool = False, chunk_boxes: int = 6, buffers: int = 2):
