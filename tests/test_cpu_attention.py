@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 import flashtile
 from flashtile import cpu
+from flashtile.cpu.numerics import exp2_flushed
 from flashtile.masking import mask_array, normalize_window
 from helpers import (
     assert_close_to_reference,
@@ -501,3 +502,23 @@ def test_softcap_and_alibi(dtype, softcap, alibi_shape, causal, seqlens):
         slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(7)) * 0.5
     check_against_reference(dtype, 2, *seqlens, 4, 2, 32, causal=causal, softcap=softcap, alibi_slopes=slopes,
                             softmax_scale=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp2_flushed_gives_normal_numbers_or_zero(dtype):
+    floor = -1022.0 if dtype == torch.float64 else -126.0
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor([0.0, -1.0, -30.5, floor + 0.5, floor, floor - 0.5, floor - 30.0, -1e30, float("-inf")],
+                     dtype=dtype)
+    got = exp2_flushed(x.clone())
+    want = torch.where(x > floor, torch.exp2(x), 0.0)
+    assert torch.equal(got, want)
+    assert not ((got > 0) & (got < tiny)).any()  # no subnormal number
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_keys_far_below_the_row_maximum(causal):
+    # Slopes of 1 and 2 over 300 keys put most scores hundreds below their row's maximum,
+    # where 2^(s - m) is subnormal or 0 in float32 (the tiled path flushes those terms to 0).
+    slopes = torch.tensor([1.0, 2.0, 0.5, 0.01])
+    check_against_reference(torch.float32, 1, 300, 300, 4, 2, 32, causal=causal, alibi_slopes=slopes)

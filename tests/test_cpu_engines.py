@@ -9,6 +9,7 @@ import torch
 
 import flashtile
 from flashtile import cpu
+from flashtile.cpu import fused
 from helpers import random_like, random_qkv, reference_attention_grads
 
 # float32 vs the float64 oracle at these sizes: errors ~1e-6.
@@ -114,8 +115,8 @@ def test_lse_gradient_goes_to_the_tiled_backward(monkeypatch):
     # The kernel's backward has no LSE-gradient input; a zero LSE gradient (what autograd passes
     # for an unused LSE) still takes the fused one.
     used = []
-    real = cpu._fused_backward
-    monkeypatch.setattr(cpu, "_fused_backward", lambda *a: used.append(True) or real(*a))
+    real = fused.backward
+    monkeypatch.setattr(fused, "backward", lambda *a: used.append(True) or real(*a))
     q, k, v = random_qkv(1, 40, 40, 2, 2, 16, torch.float64, requires_grad=True, seed=7)
     out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_lse=True)
     out.sum().backward()

@@ -26,23 +26,27 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def _torch_softmax(x, dim, scale, mask, log):
-    """The CPU path: the same function in float32 (float64 for float64 x) PyTorch (empty rows
-    give 0 / -inf, not NaN)."""
+    """The CPU path: the same function by ``torch.softmax`` / ``torch.log_softmax`` in float32
+    (float64 for float64 x), with empty rows set to 0 / -inf, where torch gives NaN."""
     if x.shape[dim] == 0:
         return x.clone()  # empty, and still in x's autograd graph as torch.softmax's result is
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    t = x.to(compute) * scale
+    t = x.to(compute)
+    if scale != 1.0:
+        t = t * scale
     if mask is not None:
         # The mask receives no gradient, as on the Triton path (README, softmax).
         t = t.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else t + mask.detach().to(compute)
-    m = t.amax(dim=dim, keepdim=True)
-    shifted = t - torch.where(m == float("-inf"), 0.0, m)
-    l = shifted.exp().sum(dim=dim, keepdim=True)
-    if log:
-        y = shifted - torch.where(l == 0, 0.0, l.log())
-    else:
-        y = shifted.exp() / torch.where(l == 0, 1.0, l)
-    return y.to(x.dtype)
+    # A row with nothing kept (all -inf) has max -inf; a row holding a NaN has max NaN and
+    # stays NaN, as in torch.softmax.  Empty rows go through torch's softmax as zeros, whose
+    # result and gradient are finite, and are then set to 0 / -inf (their gradient is 0).
+    empty = t.detach().amax(dim=dim, keepdim=True) == float("-inf")
+    if not bool(empty.any()):
+        y = torch.log_softmax(t, dim) if log else torch.softmax(t, dim)
+        return y.to(x.dtype)
+    t = t.masked_fill(empty, 0.0)
+    y = torch.log_softmax(t, dim) if log else torch.softmax(t, dim)
+    return y.masked_fill(empty, float("-inf") if log else 0.0).to(x.dtype)
 
 
 def _rows(x, dim, mask):

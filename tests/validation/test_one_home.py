@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "flashtile"
-PUBLIC = ["compat.py", "cpu.py", "distributed.py", "fp8.py", "integrations/transformers.py", "interface.py",
+PUBLIC = ["compat.py", "cpu/__init__.py", "cpu/attention.py", "cpu/fused.py", "cpu/numerics.py", "cpu/varlen.py",
+          "distributed.py", "fp8.py", "integrations/transformers.py", "interface.py",
           "kvcache.py", "merging.py", "packed.py", "padding.py", "rotary.py", "sdpa.py", "ops/softmax.py"]
 ARGUMENT_ERRORS = {"TypeError", "ValueError", "NotImplementedError"}
 
