@@ -144,16 +144,28 @@ def _rotate(q, k, cos, sin, interleaved, positions, local):
 
 def _attend_cpu(q, k_cache, v_cache, seqlens_k, batch_rows, block_table, scale, left, right, softcap, alibi_slopes,
                 leftpad=None):
-    """Per sequence: gather its keys (from ``leftpad[b]`` on) and run the CPU path."""
-    batch, seqlen_q, nheads, d = q.shape
-    out = torch.zeros_like(q)
-    lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
+    """Per sequence: its keys (from ``leftpad[b]`` on) and the CPU path.  A contiguous cache is
+    read through slices, without copies, and in one call when every sequence has the same
+    keys' span and the cache rows ``0 ... batch - 1``; a paged cache's keys are gathered."""
+    batch = q.shape[0]
+    lens = seqlens_k.tolist()
     starts = leftpad.tolist() if leftpad is not None else [0] * batch
-    for b, n in enumerate(seqlens_k.tolist()):
-        positions = torch.arange(starts[b], n, device=q.device)[None, :]
-        idx, rows = _physical_rows(positions, batch_rows[b:b + 1], None if block_table is None else block_table[b:b + 1],
-                                   k_cache.shape[1])
-        kb, vb = k_cache[idx[0], rows[0]][None], v_cache[idx[0], rows[0]][None]
+    rows = batch_rows.tolist()
+    if (block_table is None and rows == list(range(batch)) and len(set(lens)) <= 1 and len(set(starts)) <= 1
+            and batch > 0):
+        span = slice(starts[0], lens[0])
+        out, lse = cpu.attention_forward(q, k_cache[:batch, span], v_cache[:batch, span], scale, left, right,
+                                         softcap=softcap, alibi_slopes=alibi_slopes)
+        return out, lse.float()
+    out = torch.zeros_like(q)
+    lse = torch.full((batch, q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, n in enumerate(lens):
+        if block_table is None:
+            kb, vb = k_cache[rows[b]:rows[b] + 1, starts[b]:n], v_cache[rows[b]:rows[b] + 1, starts[b]:n]
+        else:
+            positions = torch.arange(starts[b], n, device=q.device)[None, :]
+            idx, pos = _physical_rows(positions, batch_rows[b:b + 1], block_table[b:b + 1], k_cache.shape[1])
+            kb, vb = k_cache[idx[0], pos[0]][None], v_cache[idx[0], pos[0]][None]
         slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
         o, l = cpu.attention_forward(q[b:b + 1], kb, vb, scale, left, right, softcap=softcap, alibi_slopes=slopes)
         out[b], lse[b] = o[0], l[0]
