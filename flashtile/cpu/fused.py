@@ -58,8 +58,6 @@ def engine_for(q_shape, k_shape, window_left=-1, window_right=-1, softcap=0.0, a
     return "tiled" if plan is None else "fused"
 
 
-
-
 def plan_for(engine, q, k, params: AttentionParams, dlse=None):
     """The plan for ``engine`` (None: tiled); ``engine="fused"`` where it does not apply is an error."""
     check_engine(engine)
