@@ -72,11 +72,11 @@ def flash_attn_func(
         params = params.with_rng(*next_seed_offset(q.device, q.shape[0] * q.shape[2] * q.shape[1]
                                                    * counters_per_row(k.shape[1])))
     if _ops.eager_ok(q, k, v, alibi_slopes):
-        # Nothing traces: the launchers directly, without the ops' dispatch.
+        # Nothing traces: the backend directly, without the ops' dispatch.
         if _ops.records_autograd(q, k, v):
             out, lse = _ops.EagerAttention.apply(q, k, v, params, checked)
         else:
-            out, lse = _ops.eager_forward(q, k, v, params, checked, need_lse=return_lse)
+            out, lse = _ops.direct_forward(q, k, v, params, checked, need_lse=return_lse)
     else:
         out, lse = _ops.forward(q, k, v, params)
     return (out, lse) if return_lse else out

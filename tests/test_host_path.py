@@ -23,7 +23,7 @@ def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
     summary = run_stubbed_tests_in_child(__file__)
-    assert "10 passed, 1 skipped" in summary, summary
+    assert "9 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -221,7 +221,3 @@ def test_a_call_recording_autograd_skips_both_ops_only_when_nothing_needs_them(s
     assert not calls  # nothing records autograd: the forward launcher alone
 
 
-@in_child
-def test_cpu_tensors_still_take_the_op():
-    q, k, v = (torch.randn(1, 16, 2, 32) for _ in range(3))
-    assert not ops.eager_forward_ok(q, k, v, None)

@@ -15,6 +15,7 @@ from helpers import assert_close_to_reference, reference_attention_grads
 
 import flashtile
 import flashtile.ops.attention as attention_ops
+from flashtile import cpu
 from flashtile import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -130,16 +131,15 @@ def test_qkvpacked_gradient_matches_float64_oracle():
 
 
 def test_packed_inputs_are_not_copied(monkeypatch):
-    """The attention op receives views whose storage is the packed tensor's."""
+    """The attention backend receives views whose storage is the packed tensor's."""
     seen = []
-    real = attention_ops.attention_forward
+    real = cpu.fwd
 
-    def spy(q, k, v, *args):
+    def spy(q, k, v, *args, **kwargs):
         seen.append((q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()))
-        return real(q, k, v, *args)
+        return real(q, k, v, *args, **kwargs)
 
-    import flashtile.interface as interface
-    monkeypatch.setattr(interface._ops, "attention_forward", spy)
+    monkeypatch.setattr(cpu, "fwd", spy)
     qkv = _leaf(1, 4, 3, 2, 8)
     flash_attn_qkvpacked_func(qkv)
     assert seen == [(qkv.untyped_storage().data_ptr(),) * 3]

@@ -60,21 +60,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Attention
 
 def eager_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes) -> bool:
     """Whether a call may skip ``attention_forward`` (and its autograd's ``attention_backward``)
-    for direct calls of the GPU kernels' launchers: the custom ops' dispatch (autograd key,
+    for direct calls of the backend, CUDA or CPU: the custom ops' dispatch (autograd key,
     redispatch, default filling, alias checks) costs tens of microseconds of host time per
     call, which a tiny forward, or a forward and backward at small N, does not hide.
 
-    Only where the ops would do nothing but call the same launchers: plain CUDA tensors (no
-    subclass, no fake or functorch-wrapped tensor), ALiBi slopes that need no gradient, and no
+    Only where the ops would do nothing but call the same launchers (or, on CPU tensors, the
+    same :mod:`flashtile.cpu` functions): plain CUDA or CPU tensors (no subclass, no fake,
+    meta or functorch-wrapped tensor), ALiBi slopes that need no gradient, and no
     tracing, torch-function or dispatch mode, functorch transform (vmap, grad) or
     ``torch.compile`` in progress, each of which needs the ops.  Then a call that records
     autograd runs :class:`EagerAttention` (:func:`records_autograd`), any other
-    :func:`eager_forward`."""
+    :func:`direct_forward`."""
     # is_compiling() first: while Dynamo traces, it is all Dynamo evaluates of this test (the
     # mode queries below are C functions it cannot trace).
     if torch.compiler.is_compiling():
         return False
-    if not (q.is_cuda and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor):
+    if not ((q.is_cuda or q.is_cpu) and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor):
         return False
     if alibi_slopes is not None and (alibi_slopes.__class__ is not _Tensor or alibi_slopes.requires_grad):
         return False
@@ -87,7 +88,7 @@ def records_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def eager_forward_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes) -> bool:
-    """Whether a call may run :func:`eager_forward`: :func:`eager_ok`, and nothing recording autograd."""
+    """Whether a call may run :func:`direct_forward`: :func:`eager_ok`, and nothing recording autograd."""
     return eager_ok(q, k, v, alibi_slopes) and not records_autograd(q, k, v)
 
 
@@ -111,7 +112,8 @@ def _import_kernels_forward():
 
 
 def eager_forward(q, k, v, params: AttentionParams, memo=None, need_lse: bool = True):
-    """What ``attention_forward`` computes, called directly (see :func:`eager_forward_ok`).
+    """What ``attention_forward`` computes on CUDA tensors, the kernels' launchers called
+    directly (see :func:`eager_forward_ok`; Triton's interpreter runs them on CPU tensors).
 
     ``memo``: the caller's memo entry for calls like this one (the public function's checked
     arguments), with a ``plan`` slot for the forward's launch plan and a ``plans`` slot for the
@@ -134,6 +136,14 @@ def eager_forward(q, k, v, params: AttentionParams, memo=None, need_lse: bool = 
     return forward.fwd(q, k, v, params)
 
 
+def direct_forward(q, k, v, params: AttentionParams, memo=None, need_lse: bool = True):
+    """What ``attention_forward`` computes, without the op (see :func:`eager_ok`): the CPU
+    path's forward on CPU tensors, :func:`eager_forward` on CUDA ones."""
+    if not q.is_cuda:
+        return _backend(q).fwd(q, k, v, params)
+    return eager_forward(q, k, v, params, memo, need_lse=need_lse)
+
+
 class EagerAttention(torch.autograd.Function):
     """``attention_forward`` with its autograd for an eager call that records autograd
     (:func:`eager_ok`): the same launchers, the same saved tensors and the same backward as the
@@ -141,7 +151,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, params: AttentionParams, memo):
-        out, lse = eager_forward(q, k, v, params, memo)
+        out, lse = direct_forward(q, k, v, params, memo)
         ctx.save_for_backward(q, k, v, out, lse, params.alibi_slopes)
         ctx.params = params.with_alibi(None)
         ctx.set_materialize_grads(False)  # an unused LSE costs nothing in the backward
@@ -153,9 +163,8 @@ class EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
         if dout is None:  # a loss of the LSE alone
             dout = torch.zeros_like(out)
-        from flashtile.kernels import attention as kernels
-
-        dq, dk, dv = kernels.bwd(dout.contiguous(), q, k, v, out, lse, ctx.params.with_alibi(alibi_slopes), dlse=dlse)
+        dq, dk, dv = _backend(q).bwd(dout.contiguous(), q, k, v, out, lse, ctx.params.with_alibi(alibi_slopes),
+                                     dlse=dlse)
         return dq, dk, dv, None, None
 
 

@@ -152,3 +152,30 @@ def test_opcheck_attention_forward_dropout():
 def test_opcheck_attention_forward_float64():
     args = _fwd_args(5, 6, (-1, 0), False, dtype=torch.float64)
     torch.library.opcheck(torch.ops.flashtile.attention_forward, args)
+
+
+def test_eager_cpu_calls_skip_the_ops_only_when_nothing_needs_them(monkeypatch):
+    from flashtile.ops import attention as ops
+
+    q, k, v = random_qkv(1, 40, 40, 2, 2, 16, torch.float32, requires_grad=True, seed=3)
+    want_out = flashtile.flash_attn_func(q, k, v, causal=True)
+    want = torch.autograd.grad(want_out.sum(), (q, k, v))
+    calls = []
+    real_forward, real_backward = ops.attention_forward, ops.attention_backward
+    monkeypatch.setattr(ops, "attention_forward", lambda *a: calls.append("forward op") or real_forward(*a))
+    monkeypatch.setattr(ops, "attention_backward", lambda *a: calls.append("backward op") or real_backward(*a))
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    with torch.no_grad():
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    assert not calls
+    assert torch.equal(out, want_out) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with PassThrough():
+        flashtile.flash_attn_func(q, k, v, causal=True).sum().backward()
+    assert calls == ["forward op", "backward op"]

@@ -366,7 +366,7 @@ def test_validation_runs_before_any_kernel(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("backend called with invalid arguments")
 
-    monkeypatch.setattr(cpu, "fwd", boom)  # what the custom op calls on CPU tensors
+    monkeypatch.setattr(cpu, "fwd", boom)  # what a call on CPU tensors reaches, with or without the op
     with pytest.raises(ValueError, match=r"softmax_scale"):
         call(softmax_scale=-1.0)
     with pytest.raises(TypeError, match=r"return_lse"):
