@@ -73,16 +73,23 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # (b, n, h, d) -> (b, h, n, d), the kernel's layout, as a view
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # ``t.to(dtype)`` without its dispatch when nothing changes (a microsecond or two a call,
+    # which a decoding step's call notices).
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def forward(q, k, v, softmax_scale, plan):
     first, causal = plan
     # fp16 / bf16 inputs are upcast (O(N d) copies) to compute in float32: the kernel's own
     # reduced-precision path gives a less accurate LSE (~3e-5 off), and it is not faster.
     dtype = compute_dtype(q.dtype)
     qs = q[:, first:] if first else q
-    o, lse = _FUSED_FORWARD(*(_bhsd(t.to(dtype)) for t in (qs, k, v)), 0.0, causal, scale=softmax_scale)
+    o, lse = _FUSED_FORWARD(_bhsd(_as(qs, dtype)), _bhsd(_as(k, dtype)), _bhsd(_as(v, dtype)), 0.0, causal,
+                            scale=softmax_scale)
     # The kernel writes (b, n, h, d) memory and returns its (b, h, n, d) view; its LSE is a
     # (b, n, h) buffer seen as (b, h, n).
-    o, lse = _bhsd(o).to(q.dtype).contiguous(), lse.contiguous()
+    o, lse = _as(_bhsd(o), q.dtype).contiguous(), lse.contiguous()
     if not first:
         return o, lse
     out = q.new_zeros(q.shape)
@@ -96,9 +103,9 @@ def backward(dout, q, k, v, out, lse, softmax_scale, plan):
     first, causal = plan
     dtype = compute_dtype(q.dtype)
     rows = slice(first, None)
-    dq, dk, dv = _FUSED_BACKWARD(*(_bhsd(t.to(dtype)) for t in (dout[:, rows], q[:, rows], k, v, out[:, rows])),
+    dq, dk, dv = _FUSED_BACKWARD(*(_bhsd(_as(t, dtype)) for t in (dout[:, rows], q[:, rows], k, v, out[:, rows])),
                                  lse[..., rows], 0.0, causal, scale=softmax_scale)
-    dq, dk, dv = (_bhsd(g).to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
+    dq, dk, dv = (_as(_bhsd(g), t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
     if first:
         full = q.new_zeros(q.shape)
         full[:, first:] = dq
