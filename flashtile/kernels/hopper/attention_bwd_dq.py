@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from flashtile.kernels.hopper import RegisterBudget, configured
-from flashtile.kernels.hopper.attention_bwd import row_strides
+from flashtile.kernels.hopper.attention_bwd import program_items, row_strides
 from flashtile.kernels.hopper.attention_fwd import (CONSUMER_ROWS, consumer_tiles, layout_schedule, load_key_tile,
                                                    pass_tiles, work_item)
 from flashtile.kernels.hopper.descriptors import descriptor
@@ -61,11 +61,10 @@ def _producer(Q_desc, K_desc, V_desc, DO_desc, q_buf, do_buf, k_bufs, v_bufs, q_
     """Per work item: Q and dO once the consumers have released the previous item's, then the
     item's key tiles (``count`` runs across items)."""
     count = 0
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    for it in range(gl.cdiv(num_items - pid, nprog)):
+    first, stride, n_items = program_items(num_items, True)
+    for it in range(n_items):
         b, h, hk, m0, q_start, k_start, _sq, _sk, lo, _fl, _fh, n_tiles = work_item(
-            pid + it * nprog, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
+            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
             window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         # An mbarrier starts with its "previous" phase complete: the first wait passes.
         mbarrier.wait(q_empty, (it & 1) ^ 1)
@@ -148,11 +147,10 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     count = 0  # key tiles consumed across items: the rings' slots and phases, and the turn's phase
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    for it in range(gl.cdiv(num_items - pid, nprog)):
+    first, stride, n_items = program_items(num_items, True)
+    for it in range(n_items):
         b, h, hk, m0, q_start, _ks, sq, sk, item_lo, _fl, _fh, n_tiles = work_item(
-            pid + it * nprog, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
+            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
             window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         mbarrier.wait(q_ready, it & 1)
         if n_tiles < 0:
