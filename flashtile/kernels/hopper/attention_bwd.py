@@ -172,13 +172,13 @@ def producer(Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, l
     persistent grid, a key tile's first ``NUM_STAGES`` steps load while the consumers finish
     the tile before (its last steps free the slots first), and its K and V once both consumers
     have let go of the previous ones (``kv_empty``)."""
-    first, stride, n_items = program_items(num_items, PERSISTENT)
+    first_item, item_stride, n_items = program_items(num_items, PERSISTENT)
     g = 0  # ring count of the key tile's first step
     kv_count = 0  # key tiles whose K and V were loaded
     for it in range(n_items):
         b, hk, n0, q_start, k_start, sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
-            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
-            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            first_item + it * item_stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k,
+            nheads_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         if n_steps >= 0:
             lse_base = b.to(gl.int64) * stride_lb + q_start
             if VARLEN:
@@ -299,11 +299,11 @@ def _dq_writer(DQ_desc, dq_smem, dq_full, dq_empty, CU_Q, CU_K, seqlen_q, seqlen
     part of the dQ add is a shared-memory store and two barrier operations).  The steps are
     counted across a persistent program's key tiles, as the consumers count them."""
     if DQ_WRITER:
-        first, stride, n_items = program_items(num_items, PERSISTENT)
+        first_item, item_stride, n_items = program_items(num_items, PERSISTENT)
         g = 0  # steps of the key tiles before
         for it in range(n_items):
             b, hk, n0, q_start, _k_start, _sq, _sk, lo, _fl, _fh, _edge, n_steps = key_tile_work(
-                first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k,
+                first_item + it * item_stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k,
                 nheads_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
             if n_steps >= 0:
                 if VARLEN:
@@ -362,13 +362,13 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
     ADD_TPR: gl.constexpr = DQ_COLS // 4 if DQ_COLS // 4 < 32 else 32
     add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // ADD_TPR, ADD_TPR], [4, 1], [1, 0])
 
-    first, stride, n_items = program_items(num_items, PERSISTENT)
+    first_item, item_stride, n_items = program_items(num_items, PERSISTENT)
     base = 0  # ring count of the key tile's first step (runs across a persistent program's tiles)
     kv_count = 0  # key tiles whose K and V have been read
     for it in range(n_items):
         b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = key_tile_work(
-            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
-            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            first_item + it * item_stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k,
+            nheads_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         if n_steps >= 0:
             k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
             k_h = k_all.slice(key_off, KEYS, dim=0)

@@ -54,18 +54,21 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _producer(Q_desc, K_desc, V_desc, DO_desc, q_buf, do_buf, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
-              v_ready, v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right,
-              num_items, section_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              VARLEN: gl.constexpr):
     """Per work item: Q and dO once the consumers have released the previous item's, then the
-    item's key tiles (``count`` runs across items)."""
+    item's key tiles (``count`` runs across items).  The constexprs come as arguments of their
+    own, as the forward's producer takes them: inside the tuple bound to ``producer``, ``VARLEN``
+    reached ``sequence_bounds`` as a runtime value."""
+    (Q_desc, K_desc, V_desc, DO_desc, q_buf, do_buf, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
+     section_heads) = args
     count = 0
-    first, stride, n_items = program_items(num_items, True)
+    first_item, item_stride, n_items = program_items(num_items, True)
     for it in range(n_items):
         b, h, hk, m0, q_start, k_start, _sq, _sk, lo, _fl, _fh, n_tiles = work_item(
-            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
-            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            first_item + it * item_stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q,
+            nheads, group, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         # An mbarrier starts with its "previous" phase complete: the first wait passes.
         mbarrier.wait(q_empty, (it & 1) ^ 1)
         if n_tiles < 0:
@@ -147,11 +150,11 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     count = 0  # key tiles consumed across items: the rings' slots and phases, and the turn's phase
-    first, stride, n_items = program_items(num_items, True)
+    first_item, item_stride, n_items = program_items(num_items, True)
     for it in range(n_items):
         b, h, hk, m0, q_start, _ks, sq, sk, item_lo, _fl, _fh, n_tiles = work_item(
-            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group,
-            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            first_item + it * item_stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q,
+            nheads, group, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         mbarrier.wait(q_ready, it & 1)
         if n_tiles < 0:
             mbarrier.arrive(q_empty, count=1)
@@ -180,11 +183,11 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                               full_hi, s_layout, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                 ds_prev = gl.convert_layout(ds.to(dtype), ds_layout)
                 count += 1
-                # One induction variable, the ring count c: this item's tile c - first starts at
+                # One induction variable, the ring count c: this item's tile c - count0 starts at
                 # key n_base + c * BLOCK_N.
-                first = count - 1
-                end = first + n_mine
-                n_base = lo - first * BLOCK_N
+                count0 = count - 1
+                end = count0 + n_mine
+                n_base = lo - count0 * BLOCK_N
                 for c in range(count, end):
                     k_prev = (c - 1) % K_STAGES
                     issue_turn(my_turn, c, PINGPONG)
@@ -263,18 +266,18 @@ def attention_bwd_dq_kernel(
                 window_left, window_right, num_items, section_heads)
     producer = (Q_desc, K_desc, V_desc, DO_desc, q_buf, do_buf, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                 v_ready, v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left,
-                window_right, num_items, section_heads, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+                window_right, num_items, section_heads)
     # The first consumer is the default partition (the kernel's own 4 warps).
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG)),
-            (_producer, producer),
+            (_producer, (producer, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, False)),
-            (_producer, producer),
+            (_producer, (producer, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)),
         ], [1], [PRODUCER_REGS])
 
 

@@ -77,13 +77,13 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, p_tiles, ds
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    first, stride, n_items = program_items(num_items, PERSISTENT)
+    first_item, item_stride, n_items = program_items(num_items, PERSISTENT)
     base = 0  # ring count of the key tile's first step (runs across a persistent program's tiles)
     kv_count = 0  # key tiles whose K and V have been read
     for it in range(n_items):
         b, hk, n0, q_start, k_start, sq, sk, lo, full_lo, full_hi, key_edge, n_steps = key_tile_work(
-            first + it * stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k,
-            window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
+            first_item + it * item_stride, num_items, section_heads, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k,
+            nheads_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN)
         if n_steps >= 0:
             k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
             v_all = v_smem.reshape([BLOCK_N, HEAD_DIM])

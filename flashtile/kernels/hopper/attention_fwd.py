@@ -347,11 +347,11 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 else:
                     p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
                 count += 1
-                # One induction variable, the ring count c: this item's tile c - first starts at
+                # One induction variable, the ring count c: this item's tile c - count0 starts at
                 # key n_base + c * BLOCK_N.
-                first = count - 1
-                end = first + n_mine
-                n_base = lo - first * BLOCK_N
+                count0 = count - 1
+                end = count0 + n_mine
+                n_base = lo - count0 * BLOCK_N
                 for c in range(count, end):
                     slot = c % NUM_STAGES
                     prev = (c - 1) % NUM_STAGES

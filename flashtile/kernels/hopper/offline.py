@@ -101,6 +101,14 @@ def _compile(fn, sig: dict, constexprs: dict, aligned: tuple, options: dict):
     return triton.compile(src, target=TARGET, options=options)
 
 
+def _cu_seqlens(varlen: bool) -> dict:
+    """``CU_Q`` / ``CU_K`` as launched: int32 cu_seqlens when packed, else the launchers' float32
+    placeholder, so that a packed-only branch compiled into a dense kernel fails here as it does
+    on the GPU (its loads would not type-check against the placeholder)."""
+    kind = "*i32" if varlen else "*fp32"
+    return {"CU_Q": kind, "CU_K": kind}
+
+
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
                     dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = "",
                     two_consumers: bool = False, softcap: bool = False, alibi: bool = False):
@@ -113,8 +121,8 @@ def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen:
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb stride_ab seqlen_q seqlen_k "
             "max_seqlen_q nheads group headdim window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc(dtype, cfg.query_box_rows, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
-           "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", "CU_Q": "*i32",
-           "CU_K": "*i32", "DESCALES": "*fp32", "ALIBI": "*fp32", "qk_scale": "fp32", "softcap_scale": "fp32",
+           "V_desc": _desc(dtype, cfg.block_n, hd), "O": f"*{dtype}", "LSE": "*fp32", **_cu_seqlens(varlen),
+           "DESCALES": "*fp32", "ALIBI": "*fp32", "qk_scale": "fp32", "softcap_scale": "fp32",
            "softcap_log2": "fp32", **{name: "i32" for name in ints}}
     options = fwd.kernel_constexprs(cfg, hd, 0 if window else -1, 0 if causal or window else -1, varlen, softcap, alibi)
     compile_options = {name: options.pop(name) for name in ("num_warps", "maxnreg")}
@@ -134,7 +142,7 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
            "DQ_desc": _desc("fp32", cfg.block_m, hd // 2), "DQ": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32",
-           "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "softmax_scale": "fp32",
+           **_cu_seqlens(varlen), "qk_scale": "fp32", "softmax_scale": "fp32",
            **{name: "i32" for name in ints}}
     consts = {**bwd.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
     aligned = ("DQ", "DK", "DV", "LSE2", "Delta", "stride_dqb", "stride_dqm", "stride_dqh", "stride_kb", "stride_km",
@@ -154,7 +162,7 @@ def compile_backward_wide(hd: int = 256, causal: bool = False, window: bool = Fa
             "window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
-           "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
+           "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", **_cu_seqlens(varlen),
            "qk_scale": "fp32", "softmax_scale": "fp32", **{name: "i32" for name in ints}}
     consts = {**bwd_wide.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
     aligned = ("DK", "DV", "LSE2", "Delta", "stride_kb", "stride_km", "stride_kh", "stride_lb", "stride_lh", "headdim")
@@ -172,7 +180,7 @@ def compile_backward_dq(hd: int = 256, causal: bool = False, window: bool = Fals
             "window_left window_right num_items section_heads").split()
     sig = {"Q_desc": _desc(dtype, cfg.block_m, hd), "K_desc": _desc(dtype, cfg.block_n, hd),
            "V_desc": _desc(dtype, cfg.block_n, hd), "DO_desc": _desc(dtype, cfg.block_m, hd),
-           "DQ": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
+           "DQ": f"*{dtype}", "LSE2": "*fp32", "Delta": "*fp32", **_cu_seqlens(varlen),
            "qk_scale": "fp32", "softmax_scale": "fp32", **{name: "i32" for name in ints}}
     options = {**bwd_dq.kernel_constexprs(cfg, hd, window, causal or window, varlen), **constexprs}
     compile_options = {name: options.pop(name) for name in ("num_warps", "maxnreg")}

@@ -19,8 +19,8 @@ concern:
 * ``residency``: how many programs of a compiled kernel the GPU holds at once;
 * ``launch``: ``softmax_forward`` / ``softmax_backward``, which plan and launch.
 * on Hopper, ``flashtile/kernels/hopper/staged_softmax.py`` (Gluon): long unmasked rows held in
-  shared memory by cooperating programs, loaded and stored by the TMA engine (the ``staged``
-  knob; ``planning.staged_plan``).
+  shared memory by cooperating programs, loaded and stored by the TMA engine (the backward of
+  rows of 2 MB and more, the forward with the ``staged`` knob; ``planning.staged_plan``).
 
 A row with no finite entry (all ``-inf`` / all masked) gives zeros (log-softmax: ``-inf``),
 never NaN; NaN and ``+inf`` inputs propagate as in ``torch.softmax``.

@@ -10,7 +10,8 @@ backward up to 256k); the rest are streamed twice (``streaming.py``), by persist
 when there are rows for every SM (fused) and by row chunks otherwise (split).  On Hopper, with
 the ``staged`` knob on (off by default), unmasked rows of at least ``STAGED_MIN_BYTES`` whose
 layout the TMA engine can read are held in shared memory instead, by cooperating programs
-(``staged_plan``, ``flashtile/kernels/hopper/staged_softmax.py``; 1 read + 1 write).
+(``staged_plan``, ``flashtile/kernels/hopper/staged_softmax.py``; 1 read + 1 write); the
+backward of rows of at least ``STAGED_BWD_MIN_BYTES`` takes that path by default.
 """
 
 from __future__ import annotations
@@ -44,12 +45,16 @@ def staged_plan(n_rows: int, n_cols: int, elem_bytes: int, tensors: int, device_
     """The shared-memory path's launch shape (``staged_softmax.StagedPlan``), which the caller
     uses once it has found the rows TMA-readable, or None where the path does not run: another
     strategy asked for, the knob off, rows below ``staged_min_bytes`` (unless
-    ``strategy="staged"``), no Gluon on this device, or rows it cannot stage
+    ``strategy="staged"``; a backward, ``tensors == 2``, runs it with the knob off for rows of
+    at least ``staged_bwd_min_bytes``), no Gluon on this device, or rows it cannot stage
     (``staged_softmax.plan``)."""
     if strategy not in (None, "staged") or INTERPRET:
         return None
     k = knobs()
-    if strategy is None and (not k["staged"] or n_cols * elem_bytes < k["staged_min_bytes"]):
+    row_bytes = n_cols * elem_bytes
+    chosen = k["staged"] and row_bytes >= k["staged_min_bytes"]
+    backward_default = tensors == 2 and 0 < k["staged_bwd_min_bytes"] <= row_bytes
+    if strategy is None and not (chosen or backward_default):
         return None
     from flashtile.kernels.engine import gluon_device_reason
 

@@ -85,10 +85,15 @@ COOP_FWD_MAXNREG = 64
 # Hopper, STAGED = 1: unmasked rows of at least STAGED_MIN_BYTES that the TMA engine can
 # read (16-byte aligned, whole 128-byte inner rows) are held in shared memory by cooperating
 # programs (flashtile/kernels/hopper/staged_softmax.py) instead of taking the paths above.
-# Off by default: its GPU tests (tests/kernels/hopper/test_staged_softmax.py) and a
-# tune_softmax.py run against the paths above have not run yet.
+# Off by default: in one tune_softmax.py run on an H200 the forward trailed the paths above at
+# every row length (bf16 0.50-0.65 of the copy rate against 0.59-0.90, fp32 0.52-0.75
+# against 0.63-0.97), and so did the backward of rows under 2 MB (bf16 256k: 0.67 against 0.75).
 STAGED = 0
 STAGED_MIN_BYTES = 65536
+# The backward of rows of at least STAGED_BWD_MIN_BYTES takes the staged path with STAGED
+# off too (0: never): in the same run it led there (bf16 1M: 0.60 against 0.55 of the copy
+# rate, bf16 4M: 0.61 against 0.57, fp32 1M: 0.62 against 0.58).
+STAGED_BWD_MIN_BYTES = 2 * 1024 * 1024
 # L2 eviction hints on the streaming kernels (1) or none (0).
 EVICTION_HINTS = 1
 # num_stages of the streaming loops (tl.range); 0 = the compiler's default (no pipelining
@@ -124,6 +129,8 @@ KNOBS = register_family("softmax", "FLASHTILE_SOFTMAX_TUNING", {
     "coop_fwd_maxnreg": (COOP_FWD_MAXNREG, "cooperative forward: its own register cap (0: coop_maxnreg)"),
     "staged": (STAGED, "Hopper: hold long unmasked rows in shared memory (1) or not (0)"),
     "staged_min_bytes": (STAGED_MIN_BYTES, "Hopper: the shared-memory path for rows of at least this many bytes"),
+    "staged_bwd_min_bytes": (STAGED_BWD_MIN_BYTES, "Hopper: the shared-memory path for the backward of rows of at "
+                             "least this many bytes, staged=0 too (0: never)"),
     "evict": (EVICTION_HINTS, "L2 eviction hints on the streaming kernels (1) or none (0)"),
     "stages": (LOOP_STAGES, "num_stages of the streaming loops (0: the compiler's default)"),
 })
