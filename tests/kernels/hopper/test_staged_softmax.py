@@ -59,6 +59,35 @@ def test_only_aligned_separate_rows_of_whole_inner_rows_are_staged():
     assert not staged_softmax.stageable(x.to(torch.int16), 65536, 65536)
 
 
+@pytest.fixture
+def hopper_planning(monkeypatch):
+    """``planning.staged_plan`` as on an H200: compiled kernels, a Gluon device, 132 SMs."""
+    from flashtile.kernels import engine
+    from flashtile.kernels.softmax import planning
+
+    monkeypatch.setattr(planning, "INTERPRET", False)
+    monkeypatch.setattr(planning, "sm_count", lambda index: H200_SMS)
+    monkeypatch.setattr(engine, "gluon_device_reason", lambda index: None)
+    return planning
+
+
+def test_by_default_only_the_backward_of_long_rows_is_staged(hopper_planning, monkeypatch):
+    """The defaults as measured (``tuning.STAGED_BWD_MIN_BYTES``): a backward of rows of 2 MB
+    and more, never a forward, nor a backward of shorter rows; the knobs override both ways."""
+    monkeypatch.delenv(ks.TUNING_ENV, raising=False)
+    plan = hopper_planning.staged_plan
+    assert plan(256, 1_048_576, 2, 2, 0) is not None  # bf16 1M: 2 MB a row
+    assert plan(1024, 262_144, 4, 2, 0) is None  # fp32 256k: 1 MB
+    assert plan(256, 1_048_576, 2, 1, 0) is None  # the forward
+    assert plan(64, 4_194_304, 4, 2, 0) is None  # fp32 4M: y and dy exceed shared memory
+    assert plan(256, 1_048_576, 2, 2, 0, strategy="fused") is None
+    monkeypatch.setenv(ks.TUNING_ENV, "staged_bwd_min_bytes=0")
+    assert plan(256, 1_048_576, 2, 2, 0) is None
+    monkeypatch.setenv(ks.TUNING_ENV, "staged=1")
+    assert plan(256, 1_048_576, 2, 1, 0) is not None
+    assert plan(1024, 262_144, 4, 2, 0) is not None
+
+
 class _Refusing:
     """A kernel whose launch fails like the driver's refusal of a cooperative grid (or otherwise)."""
 
