@@ -16,6 +16,10 @@ mkdir -p "$RES"
 python3 -m pip install -q -e . --no-deps --no-build-isolation 2>&1 | tail -2
 parts=${*:-tests attention softmax features decode fp8 ring io}
 t0=$(date +%s)
+# With pytest-timeout (on the GPU image), a test of the warp-specialised kernels that hangs on a
+# barrier is killed after HANG_S (its worker, under xdist, which goes on with the others).
+HANG_S=${HANG_S:-150}
+HANG=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=$HANG_S --timeout_method=thread")
 run() {  # run NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
@@ -37,15 +41,15 @@ for part in $parts; do
     tune_softmax) run tune_softmax 200 python3 benchmarks/tune_softmax.py --out "$RES" --budget-s 150 \
                     --cols 65536 262144 1048576 4194304 --configs "" "coop_pack=0" "cooperative_max=0" \
                     "coop_fwd_min_bytes=0" "coop_bwd_block=8192" "coop_fwd_maxnreg=80" ;;
-    staged_softmax)  # the shared-memory softmax (off by default): its GPU tests, then an A/B against the other paths
+    staged_softmax)  # the shared-memory softmax (default: backward, rows of 2 MB+): GPU tests, A/B against the other paths
       run staged_tests 240 python3 -m pytest tests/kernels/hopper/test_staged_softmax.py -m gpu -q -p no:cacheprovider \
-        -p no:warnings
+        -p no:warnings $HANG
       run tune_staged 200 python3 benchmarks/tune_softmax.py --out "$RES" --budget-s 150 \
         --cols 16384 32768 65536 262144 1048576 4194304 --configs "" "staged=1" "staged=1,staged_min_bytes=0" ;;
     wide_bwd)  # the backward of head dims 129-256 (forced Gluon only) and its dQ pass: GPU tests, then their
                # alternatives against tl.* and cuDNN
       run wide_bwd_tests 420 python3 -m pytest tests/kernels/hopper/test_attention_bwd_wide.py \
-        tests/kernels/hopper/test_attention_bwd_dq.py -m gpu -q -n 4 -p no:cacheprovider -p no:warnings
+        tests/kernels/hopper/test_attention_bwd_dq.py -m gpu -q -n 4 -p no:cacheprovider -p no:warnings $HANG
       dq_variants=$(python3 -c "from flashtile.kernels.hopper import attention_bwd_dq as dq, attention_bwd_wide as w
 print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIVES))")
       run wide_bwd_ab 240 python3 benchmarks/bench_hopper_bwd.py --headdims 256 --seqlens 1024 4096 16384 --variants \
@@ -54,7 +58,7 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
                      -q -p no:cacheprovider -p no:warnings -k "strided or views or non_contiguous" ;;
     kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
     hopper) run hopper_tests 360 python3 -m pytest tests/kernels/hopper tests/kernels/test_engine.py -n 8 -q \
-              -p no:cacheprovider -p no:warnings
+              -p no:cacheprovider -p no:warnings $HANG
             run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py
             run hopper_ab 360 python3 benchmarks/bench_hopper.py --headdims 128 64 256 --seqlens 1024 4096 16384 \
               --out "$RES/hopper_fwd.jsonl"  # the default, attention_fwd.ALTERNATIVES and the peers
