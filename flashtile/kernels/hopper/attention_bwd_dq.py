@@ -58,8 +58,8 @@ def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.
               VARLEN: gl.constexpr):
     """Per work item: Q and dO once the consumers have released the previous item's, then the
     item's key tiles (``count`` runs across items).  The constexprs come as arguments of their
-    own, as the forward's producer takes them: inside the tuple bound to ``producer``, ``VARLEN``
-    reached ``sequence_bounds`` as a runtime value."""
+    own, as the forward's producer takes them: inside a tuple, a partition's argument arrives
+    as a runtime value (``tests/kernels/hopper/test_partition_loops.py``)."""
     (Q_desc, K_desc, V_desc, DO_desc, q_buf, do_buf, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_q, nheads, group, window_left, window_right, num_items,
      section_heads) = args
