@@ -963,7 +963,8 @@ def test_gpu_row_lengths(n, dtype, log):
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
 def test_gpu_huge_rows_split(dtype, log, monkeypatch):
-    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=0")
+    # (staged_bwd_min_bytes=0: the backward too on the split path, not the shared-memory one)
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=0,staged_bwd_min_bytes=0")
     x = randn(2, 4_194_304, dtype=dtype, device="cuda", seed=40)
     p = ks.plan(2, x.shape[1], elem_bytes=x.element_size())
     assert p["strategy"] == "split" and p["splits"] > 1
@@ -978,7 +979,7 @@ def test_gpu_huge_rows_cooperative(dtype, log, monkeypatch):
     chunks of a row at once (at its 64-register cap); the backward's 512 chunk programs run
     cooperatively if they can all be resident (at the 64-register fallback), else on the
     split path."""
-    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304,coop_bwd_max=4194304")
+    monkeypatch.setenv(ks.TUNING_ENV, "cooperative_max=4194304,coop_bwd_max=4194304,staged_bwd_min_bytes=0")
     x = randn(2, 4_194_304, dtype=dtype, device="cuda", seed=40)
     p = ks.plan(2, x.shape[1], elem_bytes=x.element_size())
     assert p["strategy"] == "cooperative" and p["splits"] == 4_194_304 * x.element_size() // 32768
