@@ -289,10 +289,7 @@ def fwd(
         out[..., q0:q1, :] = o.view(c.batch, c.nheads_k, c.group, q1 - q0, c.d)
         lse[..., q0:q1] = torch.where(empty, float("-inf"), natural_lse(m, l)).view(c.batch, c.nheads_k, c.group,
                                                                                     q1 - q0)
-    return (
-        out.reshape(c.batch, c.nheads, c.seqlen_q, c.d).permute(0, 2, 1, 3).contiguous(),
-        lse.reshape(c.batch, c.nheads, c.seqlen_q),
-    )
+    return c.heads_last(out, q.dtype, c.nheads), lse.reshape(c.batch, c.nheads, c.seqlen_q)
 
 
 def attention_backward(
