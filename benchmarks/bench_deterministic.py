@@ -3,9 +3,10 @@
 For each shape (bf16, ``batch * N = 16k``, ``heads * d = 2048``) times forward + backward with
 ``triton.testing.do_bench`` twice -- the default call and ``deterministic=True`` -- and reports
 the ratio, with the engine each backward ran on; where the backward is the Gluon one, a third
-time with its dQ pass on the Gluon dQ kernel (``attention_bwd_dq``, which
-``engine.separate_dq_engine`` keeps for head dims above 128 until measured here) instead of the
-``tl.*`` one (``flashtile_deterministic_gluon_dq``).  Then, at ``--repeat-shape``, runs the
+time with its separate dQ pass on the other dQ kernel than ``engine.separate_dq_engine`` picks
+(``flashtile_deterministic_gluon_dq``: the Gluon ``attention_bwd_dq``, or
+``flashtile_deterministic_triton_dq``: the ``tl.*`` one), the measurement behind that rule's
+threshold.  Then, at ``--repeat-shape``, runs the
 deterministic forward + backward ``--repeats`` times on the same inputs and counts the
 repeats whose dQ, dK or dV differ in any bit from the first (``differing``: 0 is the claim).
 One JSON object a line (``--out``), and a plot beside it (the ``.png`` of the same name)::
@@ -106,14 +107,17 @@ def main():
                 f"({records[-2]['bwd_path']}), deterministic {flops / ms[True] / 1e9:6.1f} "
                 f"({records[-1]['bwd_path']}) TFLOP/s, ratio {ms[False] / ms[True]:.3f}")
         if records[-1]["bwd_path"] == "gluon":
-            saved, engine.GLUON_DQ_MIN_HEADDIM = engine.GLUON_DQ_MIN_HEADDIM, 0
+            # The other dQ kernel: the threshold moved to either side of this head dim.
+            other = "triton" if engine.separate_dq_engine(q.shape[-1]) == "gluon" else "gluon"
+            saved = engine.GLUON_DQ_MIN_HEADDIM
+            engine.GLUON_DQ_MIN_HEADDIM = 0 if other == "gluon" else q.shape[-1] + 1
             try:
                 ms_dq = time_attention(_fn(causal, True), "fwd_bwd", q, k, v)
             finally:
                 engine.GLUON_DQ_MIN_HEADDIM = saved
-            records.append({**records[-1], "impl": "flashtile_deterministic_gluon_dq", "ms": ms_dq,
+            records.append({**records[-1], "impl": f"flashtile_deterministic_{other}_dq", "ms": ms_dq,
                             "tflops": flops / (ms_dq * 1e-3) / 1e12})
-            line += f"; with the Gluon dQ pass {flops / ms_dq / 1e9:6.1f}, ratio {ms[False] / ms_dq:.3f}"
+            line += f"; with the {other} dQ pass {flops / ms_dq / 1e9:6.1f}, ratio {ms[False] / ms_dq:.3f}"
         print(line, flush=True)
     n, d, causal = args.repeat_shape
     differing = differing_repeats(n, d, bool(causal), args.repeats)

@@ -11,10 +11,10 @@ Two engines compute the same attention on CUDA tensors:
 * ``triton`` -- the portable ``tl.*`` kernels of ``flashtile/kernels/attention/``, for
   everything (any CUDA GPU, Triton's interpreter, every feature).
 
-The backward has a Gluon kernel too (head dims up to 128, no dropout, softcap or ALiBi), which
-``auto`` takes where it can run the call, except at head dims up to 64 for short masked calls
-(``backward_engine``); head dims 129-256 have a Gluon dK / dV kernel (``attention_bwd_wide``,
-dQ from ``attention_bwd_dq``) that runs only when ``gluon`` is forced, until it has been measured.
+The backward has Gluon kernels too (no dropout, softcap or ALiBi), which ``auto`` takes where
+they can run the call, except at head dims up to 64 for short masked calls
+(``backward_engine``): ``attention_bwd`` up to head dim 128, and for head dims 129-256 a dK / dV
+kernel (``attention_bwd_wide``) with dQ from ``attention_bwd_dq``.
 The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
 the ``tl.*`` one (``fp8_forward_engine``).
 
@@ -57,15 +57,16 @@ GLUON_MAX_QUERY_ROWS = 2**31 - 1
 GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # The Gluon backward keeps dK and dV of its keys in registers: head dims up to 128 split by
 # keys between its consumers (``attention_bwd``), up to 256 by columns (``attention_bwd_wide``,
-# dQ in a second pass, ``attention_bwd_dq``).  ``auto`` takes the latter only once it has been
-# measured against the ``tl.*`` backward: until then it runs when forced.
+# dQ in a second pass, ``attention_bwd_dq``).  ``auto`` takes both: at d = 256 forward +
+# backward measured 1.05-1.23x cuDNN on an H200 from N = 1k (0.91x causal at N = 512) and
+# 1.6-2.5x the ``tl.*`` backward (README, docs/tuning.md).
 GLUON_BACKWARD_MAX_HEADDIM = 256
-GLUON_BACKWARD_AUTO_MAX_HEADDIM = 128
-# A Gluon backward whose dK / dV kernel computes no dQ (``attention_bwd.returns_dq_workspace``)
-# takes dQ from the Gluon dQ kernel (``attention_bwd_dq``) from this padded head dim on (the
-# wide heads, themselves forced only), and from the ``tl.*`` dQ kernel below it (the
-# deterministic calls up to d = 128, whose speed was measured with it; docs/tuning.md).
-GLUON_DQ_MIN_HEADDIM = 129
+# A Gluon backward whose dK / dV kernel computes no dQ (``attention_bwd.returns_dq_workspace``:
+# the wide heads, and the deterministic calls) takes dQ from the Gluon dQ kernel
+# (``attention_bwd_dq``) from this padded head dim on, and from the ``tl.*`` dQ kernel below it:
+# deterministic calls at d = 128 measured 1.00-1.06x faster with the Gluon pass, at d = 64
+# 0.93-0.98x (docs/tuning.md).
+GLUON_DQ_MIN_HEADDIM = 65
 
 
 def separate_dq_engine(head_dim_pad: int) -> str:
@@ -231,16 +232,16 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     Like flash-attn's, it adds dQ in no fixed order, so gradients are not bitwise
     reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
     its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ (at
-    d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls).  Head dims
-    129-256 (``attention_bwd_wide``) stay on ``tl.*`` under ``auto``.
+    d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls; from d = 65 the
+    Gluon dQ pass computes it).  Head dims 129-256 take ``attention_bwd_wide`` and the Gluon dQ
+    pass.
     ``triton`` / ``gluon`` force one.
     """
     wanted = requested_engine()
     if wanted == "triton":
         return "triton"
     reason = gluon_backward_reason(q, k, dropout, softcap, alibi_slopes)
-    pays = ((q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM or not short)
-            and q.shape[-1] <= GLUON_BACKWARD_AUTO_MAX_HEADDIM)
+    pays = q.shape[-1] >= GLUON_BACKWARD_AUTO_MIN_HEADDIM or not short
     if reason is None and (wanted == "gluon" or pays):
         return "gluon"
     if wanted == "gluon":

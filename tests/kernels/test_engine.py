@@ -116,7 +116,7 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert engine.backward_engine(make(64), make(64)) == "gluon"
     assert engine.backward_engine(make(64), make(64), short=True) == "triton"
     assert engine.backward_engine(make(128), make(128), short=True) == "gluon"
-    assert engine.backward_engine(make(256), make(256)) == "triton"  # the wide-head kernel only when forced
+    assert engine.backward_engine(make(256), make(256)) == "gluon"  # the wide-head kernel
     assert engine.backward_engine(make(128), make(128), softcap=5.0) == "triton"
 
 
@@ -141,10 +141,9 @@ def test_auto_backward_rule_by_head_dim_and_short_masked(monkeypatch):
     for d in (40, 64):
         assert engine.backward_engine(q(d), q(d)) == "gluon"
         assert engine.backward_engine(q(d), q(d), short=True) == "triton"
-    for d in (65, 96, 128):
+    for d in (65, 96, 128, 129, 192, 256):  # above 128 the wide-head kernel (attention_bwd_wide)
+        assert engine.backward_engine(q(d), q(d)) == "gluon"
         assert engine.backward_engine(q(d), q(d), short=True) == "gluon"
-    for d in (129, 192, 256):  # the wide-head kernel (attention_bwd_wide): not under auto
-        assert engine.backward_engine(q(d), q(d)) == "triton"
     monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
     assert engine.backward_engine(q(64), q(64), short=True) == "gluon"
     assert engine.backward_engine(q(256), q(256)) == "gluon"

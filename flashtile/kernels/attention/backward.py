@@ -14,8 +14,8 @@ Like the forward, each pass walks its tiles in up to three runs (``query_tiles``
 ``engine.backward_engine`` picks it (head dims up to 128; at 64 and below not for short masked
 calls), steps 2 and 3 run as the Gluon kernel of
 ``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
-and step 3 as here; at head dims 129-256, when the Gluon engine is forced, step 2 alone as
-``attention_bwd_wide.py`` and step 3 as the Gluon ``attention_bwd_dq.py``:
+and step 3 as here up to head dim 64, as the Gluon ``attention_bwd_dq.py`` above; at head
+dims 129-256, step 2 alone as ``attention_bwd_wide.py`` and step 3 as ``attention_bwd_dq.py``:
 ``engine.separate_dq_engine``).
 """
 
