@@ -869,8 +869,13 @@ def test_gpu_direct_launches_replay_in_a_cuda_graph(page_size, strict_direct, mo
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # compiles: the capture below launches directly
+        step()  # compiles the eager step's kernels
     torch.cuda.current_stream().wait_stream(stream)
+    # A captured step of few splits merges them in the combine kernel where an eager one merges
+    # in the split kernel (decode.MERGE_LAST_MAX_SPLITS): a first capture binds the captured
+    # way's launches (ordinary at their first call), the capture below launches directly.
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        step()
     before = strict_direct["ordinary"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
