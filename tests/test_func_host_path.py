@@ -431,9 +431,11 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
     # 130 query rows with a mask are short masked; at d = 64 auto keeps those on tl.*.
     gluon = engine == "auto" and case != "softcap" and (d > 64 or case in ("full", "deterministic"))
     expected = ["_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
-    if gluon:  # deterministic: dK and dV on the Gluon kernel, dQ on the tl.* one; else dQ from its workspace
+    if gluon:  # deterministic: dK and dV on the Gluon kernel, dQ in a separate pass (the Gluon one
+        # above d = 64); else dQ from its workspace
+        dq_pass = "attention_bwd_dq_kernel" if d > 64 else "_attn_bwd_dq"
         expected = ["_bwd_preprocess", "attention_bwd_kernel",
-                    "_attn_bwd_dq" if case == "deterministic" else "_dq_from_workspace"]
+                    dq_pass if case == "deterministic" else "_dq_from_workspace"]
     assert [name for name, *_ in planned] == expected
     if gluon:
         with_dq = dict(planned[1][3])["WITH_DQ"]
@@ -441,12 +443,14 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
 
 
 @in_child
+@pytest.mark.parametrize("engine", ["auto", "gluon"])
 @pytest.mark.parametrize("d, gqa", [(256, False), (256, True), (192, True)])
 @pytest.mark.parametrize("case", ["full", "causal", "window", "deterministic"])
-def test_stubbed_wide_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, d, gqa, case):
-    """Forced Gluon above d = 128: dK and dV on the wide-head kernel, dQ on the Gluon dQ kernel, the
-    same launches planned or not (a padded head dim, 192, goes the general way every time)."""
-    planned = _backward_three_ways(stubbed, monkeypatch, "gluon", d, gqa, case)
+def test_stubbed_wide_backward_plans_launch_what_the_general_path_launches(stubbed, monkeypatch, engine, d, gqa,
+                                                                           case):
+    """Above d = 128 (auto or forced Gluon): dK and dV on the wide-head kernel, dQ on the Gluon dQ
+    kernel, the same launches planned or not (a padded head dim, 192, goes the general way every time)."""
+    planned = _backward_three_ways(stubbed, monkeypatch, engine, d, gqa, case)
     assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_wide_kernel", "attention_bwd_dq_kernel"]
     assert dict(planned[1][3])["HEAD_DIM"] == dict(planned[2][3])["HEAD_DIM"] == 256
     # The dQ pass reads the preprocess's rows and writes a fresh dQ of q's shape and dtype.
@@ -459,19 +463,19 @@ def test_stubbed_wide_backward_plans_launch_what_the_general_path_launches(stubb
 
 @in_child
 def test_stubbed_backward_plans_follow_the_dq_pass_rule(stubbed, monkeypatch):
-    """A deterministic call at d = 128 takes dQ from the tl.* kernel; with the Gluon dQ pass's
-    threshold lowered (as bench_deterministic.py and the dQ pass's tests do) the same shapes
-    get a new plan that launches the pass, as the general path does."""
+    """A deterministic call at d = 128 takes dQ from the Gluon dQ pass; with the pass's threshold
+    raised above it (as bench_deterministic.py does for its comparison) the same shapes get a
+    new plan that launches the tl.* dQ kernel, as the general path does."""
     from flashtile.kernels import engine
 
     launches, inputs = stubbed
     planned = _backward_three_ways(stubbed, monkeypatch, "auto", 128, False, "deterministic")
-    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "_attn_bwd_dq"]
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "attention_bwd_dq_kernel"]
     launches.clear()
     inputs.clear()  # the next tensors may take the addresses of these
-    monkeypatch.setattr(engine, "GLUON_DQ_MIN_HEADDIM", 0)
+    monkeypatch.setattr(engine, "GLUON_DQ_MIN_HEADDIM", 129)
     planned = _backward_three_ways(stubbed, monkeypatch, "auto", 128, False, "deterministic")
-    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "attention_bwd_dq_kernel"]
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "_attn_bwd_dq"]
 
 
 @in_child

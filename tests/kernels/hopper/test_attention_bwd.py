@@ -14,6 +14,7 @@ from helpers import (assert_close_to_reference, assert_packed_grads_match_per_se
                      random_qkv, reference_attention_grads)
 
 import flashtile
+from flashtile.kernels import engine
 
 # Its configurations parametrise the tests (a Triton without Gluon has none to run).
 attention_bwd = pytest.importorskip("flashtile.kernels.hopper.attention_bwd")
@@ -36,8 +37,10 @@ def test_gluon_backward_matches_reference(case, dtype):
 
 @needs_hopper
 @pytest.mark.parametrize("case", NARROW_CASES, ids=case_id)
-def test_gluon_deterministic_backward_matches_reference(case):
-    # dK and dV on the Gluon kernel without dQ, dQ on the tl.* dQ kernel.
+def test_gluon_deterministic_backward_matches_reference(case, monkeypatch):
+    # dK and dV on the Gluon kernel without dQ, dQ on the tl.* dQ kernel at every head dim (by
+    # default it takes d <= 64; test_attention_bwd_dq.py holds the Gluon pass to the same cases).
+    monkeypatch.setattr(engine, "GLUON_DQ_MIN_HEADDIM", 257)
     check_case(case, torch.bfloat16, deterministic=True)
 
 
@@ -78,7 +81,8 @@ def test_gluon_varlen_backward_matches_dense_per_sequence(causal, config, monkey
 @pytest.mark.parametrize("d, causal", [(128, True), (64, False)])
 def test_deterministic_backward_is_bitwise_reproducible(monkeypatch, d, causal):
     # deterministic=True (auto engine): dK and dV on the Gluon kernel, whose programs own their
-    # keys, dQ on the tl.* kernel, whose programs own their rows: the same bits every run.
+    # keys, dQ in a separate pass (the Gluon one at d = 128, tl.* at 64), whose programs own
+    # their rows: the same bits every run.
     monkeypatch.setenv("FLASHTILE_ENGINE", "auto")
     q, k, v = random_qkv(2, 1000, 1000, 4, 2, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dout = random_like(q, seed=1)
