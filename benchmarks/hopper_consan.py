@@ -22,6 +22,7 @@ import torch
 import triton
 
 from flashtile.kernels import attention as ka
+from flashtile.kernels import engine
 from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide, configured
 from flashtile.kernels.hopper import attention_fwd as hopper
 from flashtile.kernels.tma import padded_headdim
@@ -31,7 +32,7 @@ assert os.environ.get("TRITON_INSTRUMENTATION_MODE") == "consan", "set TRITON_IN
 triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 # Backward cases: ("bwd", d, n, heads, causal, configuration spec: "" or one of attention_bwd.ALTERNATIVES,
-# deterministic: the Gluon kernel without dQ, ``attention_bwd.deterministic_config``).
+# deterministic: the Gluon kernel without dQ, ``attention_bwd.separate_dq_config``).
 # Forward cases: (d, n, heads, causal, varlen[, window_left[, score mods]]), in ``config_for``'s
 # default (three consumers at d = 64: at n = 600 and 700 the last tile's later consumers pass
 # every key tile, and with a left window the earlier tiles of the later consumers); with score
@@ -48,6 +49,9 @@ CASES += [("bwd", 128, 300, 48, causal, "persistent=1", False) for causal in (Fa
 CASES += [("bwd", 256, 300, 48, causal, "", False) for causal in (False, True)]
 CASES += [("bwd", 256, 300, 48, True, "dq:" + spec, False) for spec in attention_bwd_dq.ALTERNATIVES]
 CASES += [("bwd", 256, 300, 48, True, "wide:" + spec, False) for spec in attention_bwd_wide.ALTERNATIVES]
+# The short causal cases at d = 128 keep the dQ workspace (engine.separate_dq would give them the
+# separate dQ pass, whose kernels the deterministic case runs), so the configurations are exercised.
+engine.SEPARATE_DQ_MAX_ROWS = 0
 default_bwd_config, default_dq_config = attention_bwd.config_for, attention_bwd_dq.config_for
 default_wide_config = attention_bwd_wide.config_for
 for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):

@@ -431,15 +431,15 @@ def test_stubbed_backward_plans_launch_what_the_general_path_launches(stubbed, m
     # 130 query rows with a mask are short masked; at d = 64 auto keeps those on tl.*.
     gluon = engine == "auto" and case != "softcap" and (d > 64 or case in ("full", "deterministic"))
     expected = ["_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
-    if gluon:  # deterministic: dK and dV on the Gluon kernel, dQ in a separate pass (the Gluon one
-        # above d = 64); else dQ from its workspace
+    # Deterministic, and masked (130 rows: short) above d = 64: dK and dV on the Gluon kernel, dQ in
+    # a separate pass (the Gluon one above d = 64); else dQ from its workspace.
+    separate = case == "deterministic" or (d > 64 and case in ("causal", "window"))
+    if gluon:
         dq_pass = "attention_bwd_dq_kernel" if d > 64 else "_attn_bwd_dq"
-        expected = ["_bwd_preprocess", "attention_bwd_kernel",
-                    dq_pass if case == "deterministic" else "_dq_from_workspace"]
+        expected = ["_bwd_preprocess", "attention_bwd_kernel", dq_pass if separate else "_dq_from_workspace"]
     assert [name for name, *_ in planned] == expected
     if gluon:
-        with_dq = dict(planned[1][3])["WITH_DQ"]
-        assert with_dq == (case != "deterministic")
+        assert dict(planned[1][3])["WITH_DQ"] == (not separate)
 
 
 @in_child

@@ -61,12 +61,29 @@ GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # backward measured 1.05-1.23x cuDNN on an H200 from N = 1k (0.91x causal at N = 512) and
 # 1.6-2.5x the ``tl.*`` backward (README, docs/tuning.md).
 GLUON_BACKWARD_MAX_HEADDIM = 256
-# A Gluon backward whose dK / dV kernel computes no dQ (``attention_bwd.returns_dq_workspace``:
-# the wide heads, and the deterministic calls) takes dQ from the Gluon dQ kernel
+# A Gluon backward whose dK / dV kernel computes no dQ (``separate_dq``) takes dQ from the Gluon dQ kernel
 # (``attention_bwd_dq``) from this padded head dim on, and from the ``tl.*`` dQ kernel below it:
 # deterministic calls at d = 128 measured 1.00-1.06x faster with the Gluon pass, at d = 64
 # 0.93-0.98x (docs/tuning.md).
 GLUON_DQ_MIN_HEADDIM = 65
+
+
+# A masked call of fewer query rows than this, from GLUON_DQ_MIN_HEADDIM to 128, runs the Gluon
+# backward as a deterministic call does: dK / dV without dQ, then the Gluon dQ pass writing dQ
+# directly -- no fp32 workspace to clear, add into and convert, a fixed cost a short call feels
+# (H200, d = 128 causal, forward + backward, N = 1k: 346 TFLOP/s against 313 with the
+# workspace; N = 4k: 485 against 501; docs/tuning.md).
+SEPARATE_DQ_MAX_ROWS = 2048
+
+
+def separate_dq(head_dim_pad: int, deterministic: bool, seqlen_q: int, window_left: int, window_right: int) -> bool:
+    """Whether a Gluon backward computes dQ in a separate pass whose programs own query rows
+    (``separate_dq_engine``) instead of adding it from the dK / dV kernel into an fp32
+    workspace: for ``deterministic`` calls (the pass sums in a fixed order), head dims above
+    128 (``attention_bwd_wide`` has no room for dQ) and short masked calls (above)."""
+    return (deterministic or head_dim_pad > 128
+            or (head_dim_pad >= GLUON_DQ_MIN_HEADDIM
+                and short_masked(seqlen_q, window_left, window_right, SEPARATE_DQ_MAX_ROWS)))
 
 
 def separate_dq_engine(head_dim_pad: int) -> str:
@@ -233,7 +250,7 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
     its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ (at
     d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls; from d = 65 the
-    Gluon dQ pass computes it).  Head dims 129-256 take ``attention_bwd_wide`` and the Gluon dQ
+    Gluon dQ pass computes it), as it does for short masked calls above d = 64 (``separate_dq``).  Head dims 129-256 take ``attention_bwd_wide`` and the Gluon dQ
     pass.
     ``triton`` / ``gluon`` force one.
     """

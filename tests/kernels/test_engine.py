@@ -151,6 +151,20 @@ def test_auto_backward_rule_by_head_dim_and_short_masked(monkeypatch):
     assert engine.backward_engine(q(128), q(128)) == "triton"
 
 
+def test_separate_dq_for_deterministic_wide_and_short_masked_calls():
+    rows = engine.SEPARATE_DQ_MAX_ROWS
+    for d in (64, 128, 256):
+        assert engine.separate_dq(d, True, 4096, -1, -1)  # deterministic: always
+    assert engine.separate_dq(256, False, 4096, -1, -1)  # the wide heads: always
+    assert not engine.separate_dq(128, False, 4096, -1, -1)
+    # Short masked calls from GLUON_DQ_MIN_HEADDIM: causal (window_right 0) or windowed.
+    assert engine.separate_dq(128, False, rows - 1, -1, 0) and engine.separate_dq(128, False, rows - 1, 100, -1)
+    assert not engine.separate_dq(128, False, rows, -1, 0)
+    assert not engine.separate_dq(128, False, rows - 1, -1, -1)  # unmasked
+    assert not engine.separate_dq(engine.GLUON_DQ_MIN_HEADDIM - 1, False, rows - 1, -1, 0)
+    assert engine.separate_dq(engine.GLUON_DQ_MIN_HEADDIM, False, rows - 1, -1, 0)
+
+
 def test_two_consumer_calls_are_short_masked_or_few_unmasked_rows():
     assert engine.two_consumer_call(engine.THREE_CONSUMERS_MIN_ROWS - 1, -1, -1)
     assert not engine.two_consumer_call(engine.THREE_CONSUMERS_MIN_ROWS, -1, -1)

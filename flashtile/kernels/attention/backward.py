@@ -11,12 +11,12 @@
 
 Like the forward, each pass walks its tiles in up to three runs (``query_tiles`` /
 ``key_tiles``) so that only the edge tiles pay for the mask.  On Hopper, where
-``engine.backward_engine`` picks it (head dims up to 128; at 64 and below not for short masked
-calls), steps 2 and 3 run as the Gluon kernel of
-``flashtile/kernels/hopper/attention_bwd.py`` instead (with ``deterministic``, step 2 alone,
-and step 3 as here up to head dim 64, as the Gluon ``attention_bwd_dq.py`` above; at head
-dims 129-256, step 2 alone as ``attention_bwd_wide.py`` and step 3 as ``attention_bwd_dq.py``:
-``engine.separate_dq_engine``).
+``engine.backward_engine`` picks it (at head dims up to 64 not for short masked calls), steps
+2 and 3 run as the Gluon kernel of ``flashtile/kernels/hopper/attention_bwd.py`` instead (dQ
+added into an fp32 workspace), or -- where ``engine.separate_dq`` says so: deterministic
+calls, short masked ones above head dim 64, head dims 129-256 -- step 2 alone as that kernel
+(``attention_bwd_wide.py`` above 128) and step 3 as here up to head dim 64, as the Gluon
+``attention_bwd_dq.py`` above (``engine.separate_dq_engine``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import (SHORT_MASKED_BACKWARD_ROWS, backward_engine, engine_setting, separate_dq_engine,
-                                      short_masked)
+from flashtile.kernels.engine import (SHORT_MASKED_BACKWARD_ROWS, backward_engine, engine_setting, separate_dq,
+                                      separate_dq_engine, short_masked)
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import key_tiles, query_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
@@ -370,10 +370,10 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
                                                         SHORT_MASKED_BACKWARD_ROWS)) == "gluon":
         from flashtile.kernels.hopper import attention_bwd
 
+        split = separate_dq(hd, params.deterministic, layout.seqlen_q, params.window_left, params.window_right)
         dq_acc, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
-                                                  params.window_left, params.window_right,
-                                                  deterministic=params.deterministic)
-        if dq_acc is None:  # deterministic or wide heads: dK and dV alone; dQ in a pass whose programs own rows
+                                                  params.window_left, params.window_right, separate_dq=split)
+        if dq_acc is None:  # engine.separate_dq: dK and dV alone; dQ in a pass whose programs own rows
             if separate_dq_engine(hd) == "gluon":
                 from flashtile.kernels.hopper import attention_bwd_dq
 
@@ -419,8 +419,9 @@ _gluon_modules = None  # (engine, attention_bwd_wide, attention_bwd_dq), once th
 
 
 def _config_functions() -> tuple:
-    """The functions that pick the tiles, and the head dim from which a separate dQ pass is the
-    Gluon one (tests and A/B benchmarks replace them): part of the key."""
+    """The functions that pick the tiles, the head dim from which a separate dQ pass is the
+    Gluon one and the rows below which a masked call takes that pass (tests and A/B benchmarks
+    replace them): part of the key."""
     global _gluon_modules
     hopper = sys.modules.get("flashtile.kernels.hopper.attention_bwd")
     if hopper is None:
@@ -431,8 +432,8 @@ def _config_functions() -> tuple:
 
         _gluon_modules = engine, attention_bwd_wide, attention_bwd_dq
     engine, wide, dq = _gluon_modules
-    return (bwd_config, hopper.config_for, hopper.deterministic_config, wide.config_for, dq.config_for,
-            engine.GLUON_DQ_MIN_HEADDIM)
+    return (bwd_config, hopper.config_for, hopper.separate_dq_config, wide.config_for, dq.config_for,
+            engine.GLUON_DQ_MIN_HEADDIM, engine.SEPARATE_DQ_MAX_ROWS)
 
 
 
@@ -491,12 +492,13 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
     if gluon:
         from flashtile.kernels.hopper import attention_bwd
 
+        split = separate_dq(d, params.deterministic, q.shape[1], params.window_left, params.window_right)
         gluon_gradients = attention_bwd.dense_plan(layout, q, k, v, dout, sample_lse2, sample_delta,
                                                    params.softmax_scale, params.window_left, params.window_right,
-                                                   params.deterministic)
+                                                   split)
 
-        gluon_dq = None  # deterministic or wide heads: dQ in a separate pass, as the general path's
-        if not attention_bwd.returns_dq_workspace(d, params.deterministic) and separate_dq_engine(d) == "gluon":
+        gluon_dq = None  # engine.separate_dq: dQ in a separate pass, as the general path's
+        if not attention_bwd.returns_dq_workspace(d, split) and separate_dq_engine(d) == "gluon":
             from flashtile.kernels.hopper import attention_bwd_dq
 
             gluon_dq = attention_bwd_dq.dense_plan(layout, q, k, v, dout, sample_lse2, sample_delta,
@@ -512,7 +514,7 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
             dq((q, k, v, dout, dq_, dq_, lse2, delta, lse, stride_ab, lse, lse))
             return dq_, dk_, dv_
 
-        if attention_bwd.returns_dq_workspace(d, params.deterministic):
+        if attention_bwd.returns_dq_workspace(d, split):
             finish = functools.partial(dq_from_workspace, headdim=d,
                                        softmax_scale=params.softmax_scale, dtype=dtype)
     else:

@@ -44,9 +44,11 @@ the consumers finish this one, and its K and V (one buffer, released on ``kv_emp
 store this one's dK and dV -- instead of a new program paying for its start and its first loads.
 
 A ``deterministic=True`` call runs the kernel without dQ (``with_dq=False``,
-``deterministic_config``): the consumers compute dK and dV alone, never waiting for each
-other, and dQ comes from the ``tl.*`` dQ kernel, whose programs own their rows, so no sum
-depends on the order in which programs finish.
+``separate_dq_config``): the consumers compute dK and dV alone, never waiting for each
+other, and dQ comes from a separate pass whose programs own their rows
+(``engine.separate_dq_engine``), so no sum depends on the order in which programs finish.
+Short masked calls above head dim 64 run so too (``engine.separate_dq``): their dQ, written
+directly, needs no fp32 workspace to clear and convert.
 
 ``delta = rowsum(dO * O)`` and the LSE in log2 units (``+inf`` for rows with no visible key, so
 their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and the dQ
@@ -573,7 +575,7 @@ class HopperBwdConfig(RegisterBudget):
     dq_writer: bool = False
     dq_lag: bool = False
     dk_smem: bool = False
-    # dQ at all: without it the kernel computes dK and dV alone (``deterministic_config``).
+    # dQ at all: without it the kernel computes dK and dV alone (``separate_dq_config``).
     with_dq: bool = True
     # One program per SM walking key tiles round-robin (else one program per key tile): the
     # next tile's first Q / dO tiles load while this one finishes, and its K and V while this
@@ -602,10 +604,11 @@ ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=
 MAX_HEADDIM = 128
 
 
-def returns_dq_workspace(head_dim_pad: int, deterministic: bool) -> bool:
+def returns_dq_workspace(head_dim_pad: int, separate_dq: bool) -> bool:
     """Whether :func:`backward` (and a :func:`dense_plan`) computes dQ, as an fp32 workspace; else
-    it returns None for it and the caller runs a separate dQ pass (``engine.separate_dq_engine``)."""
-    return not deterministic and head_dim_pad <= MAX_HEADDIM
+    it returns None for it and the caller runs a separate dQ pass (``engine.separate_dq_engine``).
+    ``separate_dq``: ``engine.separate_dq``'s answer for the call."""
+    return not separate_dq and head_dim_pad <= MAX_HEADDIM
 
 
 @functools.lru_cache(maxsize=None)
@@ -620,12 +623,12 @@ def config_for(head_dim_pad: int) -> HopperBwdConfig:
     return HopperBwdConfig(dq_tma=True, dq_lag=True, dq_writer=not small, block_m=128 if small else 64)
 
 
-def deterministic_config(head_dim_pad: int) -> HopperBwdConfig:
-    """The configuration of a ``deterministic=True`` backward: dK and dV only (every program
-    owns its keys' rows, so they are reproducible bit for bit), dQ left to the ``tl.*`` dQ
-    kernel, whose programs own their rows too; the query tiles of ``config_for`` (128 rows
-    up to d = 64: at d = 64, N = 4k / 16k, 1.17 / 1.11x the 64-row tiles non-causal,
-    docs/tuning.md)."""
+def separate_dq_config(head_dim_pad: int) -> HopperBwdConfig:
+    """The configuration of a backward whose dQ is a separate pass (``engine.separate_dq``:
+    ``deterministic=True``, short masked calls above d = 64): dK and dV only (every program
+    owns its keys' rows, so they are reproducible bit for bit), dQ left to a pass whose
+    programs own their rows too; the query tiles of ``config_for`` (128 rows up to d = 64: at
+    d = 64, N = 4k / 16k, 1.17 / 1.11x the 64-row tiles non-causal, docs/tuning.md)."""
     return HopperBwdConfig(with_dq=False, block_m=config_for(head_dim_pad).block_m)
 
 
@@ -707,14 +710,14 @@ _HEAD = 12
 
 
 def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left, window_right, config=None,
-             deterministic=False):
+             separate_dq=False):
     """(dQ's workspace, dK, dV) of ``layout``'s attention (``flashtile.kernels.attention.Layout``),
     from the preprocess's ``lse2`` (LSE * log2 e, ``+inf`` on empty rows) and ``delta``.  ``q``,
     ``k``, ``v``, ``dout`` are the TMA-ready tensors (their last dim may be padded past the true
     ``headdim``); dK and dV come back shaped like ``k`` and ``v`` (columns past ``headdim``
     unwritten).  dQ comes as the kernel's fp32 workspace, which ``backward.dq_from_workspace`` turns
     into dQ once the caller has dropped ``lse2`` and ``delta`` (the conversion is the backward's
-    peak of memory) -- or None with ``deterministic`` (dK and dV alone: ``deterministic_config``;
+    peak of memory) -- or None with ``separate_dq`` (dK and dV alone: ``separate_dq_config``;
     the caller computes dQ)."""
     d = headdim
     hd = padded_headdim(d)
@@ -723,7 +726,7 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
 
         return attention_bwd_wide.backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_left,
                                            window_right)
-    cfg = config or (deterministic_config(hd) if deterministic else config_for(hd))
+    cfg = config or (separate_dq_config(hd) if separate_dq else config_for(hd))
     # fp32 and HEAD_DIM columns wide: the kernel adds whole rows, unmasked, vectorised.  Without
     # dQ, one tile of it for the descriptor the kernel's signature takes.
     if cfg.with_dq:
@@ -741,11 +744,11 @@ def backward(layout, q, k, v, dout, lse2, delta, headdim, softmax_scale, window_
     return (dq_acc if cfg.with_dq else None), dk, dv
 
 
-def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, window_right, deterministic=False):
+def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, window_right, separate_dq=False):
     """The launch plan of :func:`backward` for dense inputs with these shapes, strides, dtypes
     and device, the head dim a power of two (no padding), no tensor empty: a function
     ``(q, k, v, dout, lse2, delta) -> (dq's workspace, dk, dv)`` (the workspace as :func:`backward`
-    returns it, None with ``deterministic``) for TMA-ready tensors with 16-byte aligned
+    returns it, None with ``separate_dq``) for TMA-ready tensors with 16-byte aligned
     bases (the caller checks the bases).  Per call it allocates the workspace and the
     gradients and launches; the descriptors come from templates (``DescriptorTemplate``), the
     grid, the other arguments and the constexprs are the ones :func:`backward` computes."""
@@ -755,7 +758,7 @@ def dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left, w
 
         return attention_bwd_wide.dense_plan(layout, q, k, v, dout, lse2, delta, softmax_scale, window_left,
                                              window_right)
-    cfg = deterministic_config(d) if deterministic else config_for(d)
+    cfg = separate_dq_config(d) if separate_dq else config_for(d)
     acc_shape, dtype, device = tuple(q.shape), q.dtype, q.device
     k_shape, v_shape = tuple(k.shape), tuple(v.shape)
     sample_acc, sample_dk, sample_dv = stand_ins(device, (acc_shape, torch.float32), (k_shape, dtype), (v_shape, dtype))

@@ -134,8 +134,9 @@ def compile_backward(hd: int, causal: bool = False, window: bool = False, varlen
                      deterministic: bool = False, **constexprs):
     """The backward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
     (``alternative``: one of ``attention_bwd.ALTERNATIVES`` instead of the default configuration;
-    ``deterministic``: the dK / dV kernel of a ``deterministic=True`` call)."""
-    cfg = config or (bwd.deterministic_config(hd) if deterministic else bwd.config_from_spec(hd, alternative))
+    ``deterministic``: the dK / dV kernel without dQ, ``attention_bwd.separate_dq_config``, of a
+    ``deterministic=True`` call and the others ``engine.separate_dq`` names)."""
+    cfg = config or (bwd.separate_dq_config(hd) if deterministic else bwd.config_from_spec(hd, alternative))
     fn = bwd.attention_bwd_kernel
     ints = ("stride_dqb stride_dqm stride_dqh stride_kb stride_km stride_kh stride_lb stride_lh seqlen_q seqlen_k "
             "max_seqlen_k nheads_k group headdim window_left window_right num_items section_heads").split()
@@ -288,7 +289,7 @@ def variants():
             continue  # the default itself at this head dim
         yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    alternative=alternative)
-    # The dK / dV kernel of deterministic calls, wherever the backward runs.
+    # The dK / dV kernel without dQ (deterministic and short masked calls), wherever the backward runs.
     for (causal, window), varlen, hd in itertools.product(
             ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
         yield dict(kernel="backward", hd=hd, causal=causal, window=window, varlen=varlen, dtype="bf16",
@@ -313,7 +314,7 @@ def variants():
         yield dict(kernel="backward_wide", hd=256, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    alternative=alternative)
     # The dQ pass of the wide-head backward wherever it runs, its alternatives, and its tiles
-    # at d <= 128 (the deterministic calls from d = 65: ``engine.separate_dq_engine``).
+    # at d <= 128 (``engine.separate_dq``'s calls from d = 65: ``engine.separate_dq_engine``).
     for (causal, window), varlen, dtype in itertools.product(((False, False), (True, False), (False, True)),
                                                              (False, True), ("bf16", "fp16")):
         yield dict(kernel="backward_dq", hd=256, causal=causal, window=window, varlen=varlen, dtype=dtype)

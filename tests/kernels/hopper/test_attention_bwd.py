@@ -24,8 +24,11 @@ pytestmark = pytest.mark.gpu
 needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels need an sm_90 GPU")
 
 def _use_config(monkeypatch, spec):
-    """Run the Gluon backward with configuration ``spec`` (``hopper.configured``; "": the default)."""
+    """Run the Gluon backward with configuration ``spec`` (``hopper.configured``; "": the default),
+    dQ from its workspace on short masked calls too (``engine.separate_dq`` gives those a
+    separate dQ pass above d = 64, which would leave the configuration untested there)."""
     monkeypatch.setattr(attention_bwd, "config_for", configured(attention_bwd.config_for, spec))
+    monkeypatch.setattr(engine, "SEPARATE_DQ_MAX_ROWS", 0)
 
 
 @needs_hopper
@@ -33,6 +36,14 @@ def _use_config(monkeypatch, spec):
 @pytest.mark.parametrize("case", NARROW_CASES, ids=case_id)
 def test_gluon_backward_matches_reference(case, dtype):
     check_case(case, dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", [c for c in NARROW_CASES if c[6] or c[7] != (-1, -1)], ids=case_id)
+def test_gluon_backward_with_dq_workspace_matches_reference_on_masked_calls(case, monkeypatch):
+    # Above d = 64 the short ones among these take a separate dQ pass by default (engine.separate_dq).
+    monkeypatch.setattr(engine, "SEPARATE_DQ_MAX_ROWS", 0)
+    check_case(case, torch.bfloat16)
 
 
 @needs_hopper
@@ -68,7 +79,7 @@ def test_gluon_backward_with_lse_gradient():
 @pytest.mark.parametrize("config", ("",) + attention_bwd.ALTERNATIVES + ("deterministic",), ids=lambda spec: spec or "default")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_varlen_backward_matches_dense_per_sequence(causal, config, monkeypatch):
-    deterministic = config == "deterministic"  # dK and dV on the Gluon kernel, dQ on the tl.* one
+    deterministic = config == "deterministic"  # dK and dV on the Gluon kernel, dQ in a separate pass
     if not deterministic:
         _use_config(monkeypatch, config)
     # Zero-length and one-row sequences, and sequences whose last key tile is partial (so the

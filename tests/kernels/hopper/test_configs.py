@@ -84,7 +84,7 @@ def test_backward_takes_128_row_query_tiles_up_to_head_dim_64_deterministic_or_n
     assert attention_bwd.config_for(64).block_m == 128
     assert attention_bwd.config_for(128).block_m == 64
     for head_dim_pad, rows in ((64, 128), (128, 64)):
-        det = attention_bwd.deterministic_config(head_dim_pad)
+        det = attention_bwd.separate_dq_config(head_dim_pad)
         assert (det.block_m, det.with_dq, det.dq_tma, det.dq_lag, det.dk_smem) == (rows, False, False, False, False)
 
 
