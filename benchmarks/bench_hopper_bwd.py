@@ -8,7 +8,9 @@ flashtile row):
   (``--variants``: ``attention_bwd.config_from_spec`` specs, keywords joined by ``+``, e.g.
   ``num_stages=3``; ``dq:<spec>`` / ``wide:<spec>`` change the dQ pass's
   (``attention_bwd_dq``) or the wide-head dK / dV kernel's (``attention_bwd_wide``)
-  configuration instead; default: the configurations in ``attention_bwd.ALTERNATIVES``);
+  configuration instead, and ``engine:<NAME>=<int>`` sets a threshold of
+  ``flashtile.kernels.engine`` for the row, e.g. ``engine:SEPARATE_DQ_MAX_ROWS=0`` (dQ from the
+  workspace on short masked calls too); default: the configurations in ``attention_bwd.ALTERNATIVES``);
 * ``triton`` -- the ``tl.*`` dK/dV and dQ kernels;
 * ``sdpa_cudnn`` -- PyTorch SDPA pinned to cuDNN.
 
@@ -27,6 +29,7 @@ import torch
 
 from flashtile.bench.common import environment, save_figure, save_records, shape_sweep, subplots
 from flashtile.bench.gpu import attention_flops, impl_fn, time_attention
+from flashtile.kernels import engine
 from flashtile.kernels.engine import ENGINE_ENV
 from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide, configured
 
@@ -37,7 +40,21 @@ VARIANT_MODULES = {"dq": attention_bwd_dq, "wide": attention_bwd_wide}
 def _variant(variant):
     """``(module, spec)`` of a ``--variants`` entry."""
     prefix, _, spec = variant.rpartition(":")
+    if prefix == "engine":
+        return engine, spec
     return VARIANT_MODULES[prefix] if prefix else attention_bwd, spec
+
+
+def _engine_values(spec: str) -> dict:
+    """``{NAME: int}`` of an ``engine:`` variant's ``NAME=VALUE[+NAME=VALUE...]``; a name the
+    engine module has no int of raises ``ValueError``."""
+    values = {}
+    for item in spec.split("+"):
+        name, _, value = item.partition("=")
+        if not isinstance(getattr(engine, name, None), int):
+            raise ValueError(f"--variants engine:{spec}: flashtile.kernels.engine has no int {name!r}")
+        values[name] = int(value)
+    return values
 
 
 def _timed(impl, variant, causal, q, k, v):
@@ -45,10 +62,14 @@ def _timed(impl, variant, causal, q, k, v):
     if impl == "sdpa_cudnn":
         return time_attention(impl_fn(impl, causal, q.shape[-1]), "fwd_bwd", q, k, v)
     module, spec = _variant(variant)
-    saved_env, saved_cfg = os.environ.get(ENGINE_ENV), module.config_for
+    thresholds = _engine_values(spec) if module is engine and spec else {}
+    saved_env, saved_cfg = os.environ.get(ENGINE_ENV), getattr(module, "config_for", None)
+    saved_thresholds = {name: getattr(engine, name) for name in thresholds}
     os.environ[ENGINE_ENV] = impl
-    if spec:
+    if spec and module is not engine:
         module.config_for = configured(saved_cfg, spec)
+    for name, value in thresholds.items():
+        setattr(engine, name, value)
     try:
         if impl == "triton":  # the Gluon forward, the tl.* backward
             fwd = impl_fn("flashtile", causal, q.shape[-1])
@@ -62,7 +83,10 @@ def _timed(impl, variant, causal, q, k, v):
             return time_attention(fn, "fwd_bwd", q, k, v)
         return time_attention(impl_fn("flashtile", causal, q.shape[-1]), "fwd_bwd", q, k, v)
     finally:
-        module.config_for = saved_cfg
+        if module is not engine:
+            module.config_for = saved_cfg
+        for name, value in saved_thresholds.items():
+            setattr(engine, name, value)
         if saved_env is None:
             os.environ.pop(ENGINE_ENV, None)
         else:

@@ -46,3 +46,16 @@ def test_a_variants_prefix_names_the_kernel_whose_configuration_it_changes():
     assert bench._variant("") == (attention_bwd, "")
     with pytest.raises(KeyError):
         bench._variant("nope:block_n=64")
+
+
+def test_an_engine_variant_sets_int_thresholds_of_the_engine_module():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashtile.kernels import engine
+
+    bench = _bench()
+    assert bench._variant("engine:SEPARATE_DQ_MAX_ROWS=0") == (engine, "SEPARATE_DQ_MAX_ROWS=0")
+    assert bench._engine_values("SEPARATE_DQ_MAX_ROWS=0+GLUON_DQ_MIN_HEADDIM=129") == {
+        "SEPARATE_DQ_MAX_ROWS": 0, "GLUON_DQ_MIN_HEADDIM": 129}
+    for bad in ("NOPE=1", "ENGINE_ENV=1"):  # no such name; a name that is not an int
+        with pytest.raises(ValueError, match="engine"):
+            bench._engine_values(bad)
