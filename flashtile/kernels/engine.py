@@ -61,10 +61,10 @@ GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # backward measured 1.05-1.23x cuDNN on an H200 from N = 1k (0.91x causal at N = 512) and
 # 1.6-2.5x the ``tl.*`` backward (README, docs/tuning.md).
 GLUON_BACKWARD_MAX_HEADDIM = 256
-# A Gluon backward whose dK / dV kernel computes no dQ (``separate_dq``) takes dQ from the Gluon dQ kernel
-# (``attention_bwd_dq``) from this padded head dim on, and from the ``tl.*`` dQ kernel below it:
-# deterministic calls at d = 128 measured 1.00-1.06x faster with the Gluon pass, at d = 64
-# 0.93-0.98x (docs/tuning.md).
+# A Gluon backward whose dK / dV kernel computes no dQ (``separate_dq``) takes dQ from the
+# Gluon dQ kernel (``attention_bwd_dq``) from this padded head dim on, and from the ``tl.*`` dQ
+# kernel below it: deterministic calls at d = 128 measured 1.00-1.06x faster with the Gluon
+# pass, at d = 64 0.93-0.98x (docs/tuning.md).
 GLUON_DQ_MIN_HEADDIM = 65
 
 
@@ -250,8 +250,8 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
     its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ (at
     d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls; from d = 65 the
-    Gluon dQ pass computes it), as it does for short masked calls above d = 64 (``separate_dq``).  Head dims 129-256 take ``attention_bwd_wide`` and the Gluon dQ
-    pass.
+    Gluon dQ pass computes it), as it does for short masked calls above d = 64 (``separate_dq``).
+    Head dims 129-256 take ``attention_bwd_wide`` and the Gluon dQ pass.
     ``triton`` / ``gluon`` force one.
     """
     wanted = requested_engine()

@@ -551,8 +551,8 @@ def _templates(args: tuple, n: int) -> tuple:
 
 
 def bwd(dout, q, k, v, out, lse, params: AttentionParams, dlse=None, configs=None):
-    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added in no fixed order; with
-    ``params.deterministic``, dK and dV alone and dQ from the ``tl.*`` dQ kernel) or the ``tl.*``
+    """Backward: the preprocess, then the Gluon kernel on Hopper (dQ added in no fixed order; where
+    ``engine.separate_dq`` says so, dK and dV alone and dQ from a separate pass) or the ``tl.*``
     dK/dV and dQ kernels (no atomics: bitwise reproducible), the latter always with ``configs``
     (``(dK/dV config, dQ config)``, replacing :func:`bwd_config`'s).
     Without ``dlse`` or ``configs``, the launches come from the plan of the call's key where there is one."""
