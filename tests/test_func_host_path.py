@@ -479,6 +479,23 @@ def test_stubbed_backward_plans_follow_the_dq_pass_rule(stubbed, monkeypatch):
 
 
 @in_child
+def test_stubbed_backward_plans_follow_the_short_masked_rule(stubbed, monkeypatch):
+    """A short causal call at d = 128 takes the separate dQ pass (engine.separate_dq); with the
+    rule's row threshold at 0 (as bench_hopper_bwd.py's engine variants set it) the same shapes
+    get a new plan, with dQ from the workspace, as the general path."""
+    from flashtile.kernels import engine
+
+    launches, inputs = stubbed
+    planned = _backward_three_ways(stubbed, monkeypatch, "auto", 128, False, "causal")
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "attention_bwd_dq_kernel"]
+    launches.clear()
+    inputs.clear()  # the next tensors may take the addresses of these
+    monkeypatch.setattr(engine, "SEPARATE_DQ_MAX_ROWS", 0)
+    planned = _backward_three_ways(stubbed, monkeypatch, "auto", 128, False, "causal")
+    assert [name for name, *_ in planned] == ["_bwd_preprocess", "attention_bwd_kernel", "_dq_from_workspace"]
+
+
+@in_child
 def test_stubbed_gluon_backward_lets_go_of_the_preprocess_rows_before_dq_conversion(stubbed, monkeypatch):
     # dQ's conversion holds the fp32 workspace, dQ, dK and dV at once (the backward's peak of
     # memory): delta and the log2 LSE are dropped before it, on the general path and the plan.
