@@ -36,7 +36,13 @@ the tile, to the writer warp (else each consumer does both, behind a barrier of 
 warps, on its own path through the step); ``dq_lag`` double-buffers the dS tile and issues a
 step's dQ GEMM one step later, so a consumer waits for the other one's dS of the step before
 (already written, unless it is a whole step behind) instead of meeting it at every step;
-``dk_smem`` reads dK's dS operand from the shared tile instead of registers.
+``dk_smem`` reads dK's dS operand from the shared tile instead of registers; ``dk_early`` issues
+dK's GEMM (operand in registers) before the consumer stores its dS rows, so it runs under the
+store, the fence and the barriers; ``dq_publish_late`` stages a step's dQ share at the end of
+the step but hands it on (the fence, then the writer's barrier or the TMA's add) only once the
+next step's first GEMMs are queued; ``third_ds_buffer`` (with ``dq_lag``, 64-row query tiles)
+adds a third dS tile, so a consumer stores a step's dS rows without waiting for the other
+one to have finished the step before.
 
 With ``persistent`` (an alternative, ``HopperBwdConfig``) one program per SM walks key tiles
 round-robin: the ring's count runs across them, the next tile's first Q / dO tiles load while
@@ -265,30 +271,41 @@ def _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, d
 @gluon.jit
 def _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, step, dq, b, h, m0, q_start, sq, col_off, stride_dqb, stride_dqm,
             stride_dqh, dq_rows, dq_cols, add_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-            VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, DQ_WRITER: gl.constexpr):
+            VARLEN: gl.constexpr, DQ_TMA: gl.constexpr, DQ_WRITER: gl.constexpr, PUBLISH: gl.constexpr = True):
     """Add step ``step``'s dQ share into the fp32 workspace: staged in shared memory and added by
     the TMA engine (``DQ_TMA``; issued by the dQ writer warp with ``DQ_WRITER``), or with
-    vector atomics from registers."""
+    vector atomics from registers.  Without ``PUBLISH`` the share is only staged: the caller
+    hands it on later (:func:`_dq_publish`)."""
     if DQ_TMA:
         if VARLEN:
             # The box's rows past the sequence are the next packed sequence's: add exact zeros.
             rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
             dq = gl.where(gl.expand_dims(rows < sq, 1), dq, 0.0)
-            b = 0  # packed tensors are one batch entry of the descriptor
         if DQ_WRITER:
             # Once the engine has read this consumer's tile of the step before, stage this one.
             mbarrier.wait(dq_empty, (step & 1) ^ 1)
-            dq_smem.reshape(dq.shape).store(dq)
-            fence_async_shared()
-            mbarrier.arrive(dq_full, count=1)
-            return
-        tma.store_wait(0)  # the previous step's add has read the staging tile
+        else:
+            tma.store_wait(0)  # the previous step's add has read the staging tile
         dq_smem.reshape(dq.shape).store(dq)
-        fence_async_shared()
-        # Rows past a dense tensor's end fall outside the descriptor and are dropped.
-        async_reduce_add(DQ_desc, [b, q_start + m0, h, col_off], dq_smem)
+        if PUBLISH:
+            _dq_publish(DQ_desc, dq_smem, dq_full, b, h, m0, q_start, col_off, dq_layout, VARLEN, DQ_WRITER)
     else:
         _add_dq(DQ, dq, b, h, m0, q_start, sq, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout)
+
+
+@gluon.jit
+def _dq_publish(DQ_desc, dq_smem, dq_full, b, h, m0, q_start, col_off, dq_layout: gl.constexpr, VARLEN: gl.constexpr,
+                DQ_WRITER: gl.constexpr):
+    """Hand a staged dQ share (of query head ``h``, rows from ``m0``) on: to the dQ writer warp
+    (``DQ_WRITER``), or to the TMA engine's add."""
+    fence_async_shared()
+    if DQ_WRITER:
+        mbarrier.arrive(dq_full, count=1)
+    else:
+        if VARLEN:
+            b = 0  # packed tensors are one batch entry of the descriptor
+        # Rows past a dense tensor's end fall outside the descriptor and are dropped.
+        async_reduce_add(DQ_desc, [b, q_start + m0, h, col_off], dq_smem)
 
 
 @gluon.jit
@@ -333,12 +350,13 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
-              DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr):
+              DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr, DK_EARLY: gl.constexpr,
+              DQ_PUBLISH_LATE: gl.constexpr, DS_BUFS: gl.constexpr):
     """Keys ``[key_off, key_off + 64)`` of each of the program's key tiles (their dK, dV and dS rows),
     and columns ``[col_off, col_off + HEAD_DIM / 2)`` of each step's dQ (without ``WITH_DQ``:
     no dQ, and the consumers never wait for each other; the dS tile stays in registers).
 
-    With ``DQ_LAG`` the dS tile is double-buffered and a step's dQ GEMM is issued one step
+    With ``DQ_LAG`` the dS tile is double-buffered (``DS_BUFS``: or triple) and a step's dQ GEMM is issued one step
     later, after the consumer's own dV and dK GEMMs of the next step: a consumer waits for
     the other one's dS of the step before, not of this one, so the two need not run in
     lock-step (their softmax phases can interleave).
@@ -348,7 +366,9 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
     """
     KEYS: gl.constexpr = CONSUMER_KEYS
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    DS_BUFS: gl.constexpr = 2 if DQ_LAG else 1
+    # How many steps back the last reader of the dS buffer a step writes is: the dQ GEMM of the
+    # step after the one that wrote it (DQ_LAG), or of that step itself.
+    DS_REUSE: gl.constexpr = DS_BUFS - 1 if DQ_LAG else DS_BUFS
     dtype: gl.constexpr = q_bufs.dtype
     # (keys x queries) score tiles, (keys x d) dK / dV, (queries x d / 2) dQ share.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -395,6 +415,13 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                 do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
                 dp_t = warpgroup_mma(v_h, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout),
                                      use_acc=False, is_async=True)
+                if DQ_PUBLISH_LATE:
+                    # The dQ share staged at the end of the step before (of step c - 2) is handed
+                    # on once this step's first GEMMs are queued.
+                    if c > 1:
+                        held_h, held_m0 = step_rows(c - 2, hk, group, n_steps, lo, BLOCK_M)
+                        _dq_publish(DQ_desc, dq_smem, dq_full, b, held_h, held_m0, q_start, col_off, dq_layout,
+                                    VARLEN, DQ_WRITER)
                 s_t = warpgroup_mma_wait(1, deps=[s_t])
                 # Read in the score layout straight from the slot, only where used, so the rows
                 # hold no registers while the GEMMs run.  Rows past the sequence read 0 (module
@@ -424,19 +451,25 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                     buf = g % DS_BUFS
                     ds_all = ds_smem.index(buf)
                     my_ds = ds_all.slice(key_off, KEYS, dim=0)
+                    if DK_EARLY:
+                        # dK's operand is in registers: its GEMM runs while the tile is stored.
+                        dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
                     # The buffer's last reader is a dQ GEMM that both consumers retired in step
-                    # g - 1 just before releasing that step's ring slot: the slot's release is the
-                    # buffer's (no barrier of its own; step 0 waits on a fresh phase).  The last
-                    # step of a key tile before is step g - 1 too: its late dQ GEMM, after the
-                    # loop, reads the other buffer.
-                    before = g + NUM_STAGES - 1
-                    mbarrier.wait(empty.index(before % NUM_STAGES), (before // NUM_STAGES + 1) & 1)
+                    # g - DS_REUSE just before releasing that step's ring slot: the slot's release
+                    # is the buffer's (no barrier of its own; the first steps wait on a fresh
+                    # phase).  The last step of a key tile before is step g - 1: its late dQ GEMM,
+                    # after the loop, reads another buffer.  A release NUM_STAGES steps back
+                    # came before this step's tiles were loaded into the slot (the producer waits
+                    # for it): no wait then.
+                    if DS_REUSE < NUM_STAGES:
+                        before = g + NUM_STAGES - DS_REUSE
+                        mbarrier.wait(empty.index(before % NUM_STAGES), (before // NUM_STAGES + 1) & 1)
                     my_ds.store(ds_t)
                     fence_async_shared()
                     mbarrier.arrive(ds_ready.index(buf), count=1)
                     if DK_SMEM:
                         dk = warpgroup_mma(my_ds, q, dk, is_async=True)
-                    else:
+                    elif not DK_EARLY:
                         dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
                     if DQ_LAG:
                         # The previous step's dQ (its dS in the other buffer).  A key tile's step 0
@@ -444,8 +477,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                         # it and drops the product, so that the wgmma waits stay outside any
                         # run-time branch.
                         prev = base + gl.maximum(c - 1, 0)
-                        mbarrier.wait(ds_ready.index(prev % 2), (prev // 2) & 1)
-                        dq = warpgroup_mma(ds_smem.index(prev % 2).permute((1, 0)), k_cols,
+                        mbarrier.wait(ds_ready.index(prev % DS_BUFS), (prev // DS_BUFS) & 1)
+                        dq = warpgroup_mma(ds_smem.index(prev % DS_BUFS).permute((1, 0)), k_cols,
                                            gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
                                            use_acc=False, is_async=True)
                         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
@@ -454,7 +487,7 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                             prev_h, prev_m0 = step_rows(prev - base, hk, group, n_steps, lo, BLOCK_M)
                             _dq_out(DQ, DQ_desc, dq_smem, dq_full, dq_empty, prev, dq, b, prev_h, prev_m0, q_start,
                                     sq, col_off, stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout,
-                                    dq_layout, BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER)
+                                    dq_layout, BLOCK_M, VARLEN, DQ_TMA, DQ_WRITER, not DQ_PUBLISH_LATE)
                     else:
                         mbarrier.wait(ds_ready.index(0), g & 1)
                         dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols,
@@ -466,10 +499,15 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq
                                 stride_dqb, stride_dqm, stride_dqh, dq_rows, dq_cols, add_layout, dq_layout, BLOCK_M,
                                 VARLEN, DQ_TMA, DQ_WRITER)
             if DQ_LAG and WITH_DQ:
+                if DQ_PUBLISH_LATE:
+                    if total > 1:
+                        held_h, held_m0 = step_rows(total - 2, hk, group, n_steps, lo, BLOCK_M)
+                        _dq_publish(DQ_desc, dq_smem, dq_full, b, held_h, held_m0, q_start, col_off, dq_layout,
+                                    VARLEN, DQ_WRITER)
                 if total > 0:
                     last = base + total - 1
-                    mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1)
-                    dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols,
+                    mbarrier.wait(ds_ready.index(last % DS_BUFS), (last // DS_BUFS) & 1)
+                    dq = warpgroup_mma(ds_smem.index(last % DS_BUFS).permute((1, 0)), k_cols,
                                        gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout),
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=[dq])
@@ -502,11 +540,11 @@ def attention_bwd_kernel(
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     WITH_DQ: gl.constexpr, DQ_TMA: gl.constexpr, DQ_LAG: gl.constexpr, DK_SMEM: gl.constexpr,
-    DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr,
+    DQ_WRITER: gl.constexpr, PERSISTENT: gl.constexpr, DK_EARLY: gl.constexpr, DQ_PUBLISH_LATE: gl.constexpr,
+    DS_BUFS: gl.constexpr,
 ):
     dtype: gl.constexpr = Q_desc.dtype
     KEYS: gl.constexpr = CONSUMER_KEYS
-    DS_BUFS: gl.constexpr = 2 if DQ_LAG else 1
     k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_ready, kv_empty, ready, empty = producer_buffers(
         Q_desc, K_desc, V_desc, DO_desc, NUM_STAGES, BLOCK_M, PERSISTENT)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -535,14 +573,14 @@ def attention_bwd_kernel(
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, 0, 0,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
-                     DK_SMEM, DQ_WRITER, PERSISTENT)),
+                     DK_SMEM, DQ_WRITER, PERSISTENT, DK_EARLY, DQ_PUBLISH_LATE, DS_BUFS)),
         (_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_smem.index(1), dq_full.index(1),
                      dq_empty.index(1), kv_ready, kv_empty, ready, empty, ds_ready, DQ, DQ_desc, DK, DV, CU_Q, CU_K,
                      stride_dqb, stride_dqm, stride_dqh, stride_kb, stride_km, stride_kh,
                      seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, headdim, qk_scale, softmax_scale,
                      window_left, window_right, num_items, section_heads, KEYS, HEAD_DIM // 2,
                      BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, MASK_LEFT, MASK_RIGHT, VARLEN, WITH_DQ, DQ_TMA, DQ_LAG,
-                     DK_SMEM, DQ_WRITER, PERSISTENT)),
+                     DK_SMEM, DQ_WRITER, PERSISTENT, DK_EARLY, DQ_PUBLISH_LATE, DS_BUFS)),
         (producer, (Q_desc, K_desc, V_desc, DO_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs,
                      kv_ready, kv_empty, ready, empty, LSE2, Delta, stride_lb, stride_lh,
                      CU_Q, CU_K, seqlen_q, seqlen_k, max_seqlen_k, nheads_k, group, window_left, window_right,
@@ -575,6 +613,16 @@ class HopperBwdConfig(RegisterBudget):
     dq_writer: bool = False
     dq_lag: bool = False
     dk_smem: bool = False
+    # dK's GEMM (its dS operand in registers) issued before the consumer stores its dS rows, so
+    # it runs under the store, the fence and the barriers; with the late dQ GEMM and the TMA's
+    # add, a step's staged dQ share handed on (fence, then the writer's barrier or the add)
+    # only once the next step's first GEMMs are queued.
+    dk_early: bool = False
+    dq_publish_late: bool = False
+    # With dq_lag and 64-row query tiles, a third dS tile: a consumer writes a step's dS rows
+    # without waiting for the other one to finish the step before (whose dQ GEMM read the
+    # buffer two steps back).  128-row tiles (d <= 64) keep two: three do not fit shared memory.
+    third_ds_buffer: bool = False
     # dQ at all: without it the kernel computes dK and dV alone (``separate_dq_config``).
     with_dq: bool = True
     # One program per SM walking key tiles round-robin (else one program per key tile): the
@@ -582,9 +630,25 @@ class HopperBwdConfig(RegisterBudget):
     # one's dK and dV are stored.
     persistent: bool = False
 
+    def __post_init__(self):
+        if self.dk_early and self.dk_smem:
+            raise ValueError("dk_early issues dK's GEMM from registers: not with dk_smem")
+        if self.dq_publish_late and not (self.dq_tma and self.dq_lag and self.with_dq):
+            raise ValueError("dq_publish_late hands on a staged dQ share: it needs dq_tma, dq_lag and with_dq")
+        if self.third_ds_buffer and not (self.dq_lag and self.with_dq):
+            raise ValueError("third_ds_buffer holds the late dQ GEMM's dS tiles: it needs dq_lag and with_dq")
+
     @property
     def block_n(self) -> int:
         return 2 * CONSUMER_KEYS.value
+
+    @property
+    def ds_buffers(self) -> int:
+        """dS tiles in shared memory: two with the late dQ GEMM (three with ``third_ds_buffer``
+        where they fit), else one."""
+        if not self.dq_lag:
+            return 1
+        return 3 if self.third_ds_buffer and self.block_m <= 64 else 2
 
     @property
     def writer_adds_dq(self) -> bool:
@@ -597,7 +661,8 @@ class HopperBwdConfig(RegisterBudget):
 # --variants`` times against the default (docs/tuning.md); ``dq_writer=0`` changes only the
 # head dims whose default has the writer.
 ALTERNATIVES = ("dq_tma=0+dq_lag=0", "dq_tma=0+dq_lag=1", "dk_smem=1", "block_m=64+dq_lag=0", "dq_writer=0",
-                "persistent=1")
+                "persistent=1", "dk_early=1", "dk_early=1+dq_publish_late=1",
+                "dk_early=1+dq_publish_late=1+third_ds_buffer=1")
 
 # dK and dV of 64 keys stay in fp32 registers: 2 * d / 2 registers a thread, which fits the
 # consumers' budget up to d = 128; wider heads go to ``attention_bwd_wide`` (dK and dV only).
@@ -699,7 +764,8 @@ def kernel_constexprs(cfg, head_dim_pad, mask_left, mask_right, varlen) -> dict:
         MASK_LEFT=mask_left, MASK_RIGHT=mask_right, VARLEN=varlen,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         WITH_DQ=cfg.with_dq, DQ_TMA=cfg.dq_tma, DQ_LAG=cfg.dq_lag, DK_SMEM=cfg.dk_smem,
-        DQ_WRITER=cfg.writer_adds_dq, PERSISTENT=cfg.persistent,
+        DQ_WRITER=cfg.writer_adds_dq, PERSISTENT=cfg.persistent, DK_EARLY=cfg.dk_early,
+        DQ_PUBLISH_LATE=cfg.dq_publish_late, DS_BUFS=cfg.ds_buffers,
     )
 
 

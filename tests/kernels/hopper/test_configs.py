@@ -68,6 +68,27 @@ def test_backward_alternatives_differ_from_the_default(spec):
         assert attention_bwd.config_from_spec(hd, "") == attention_bwd.config_for(hd)
 
 
+def test_backward_knobs_that_need_others_are_rejected_without_them():
+    with pytest.raises(ValueError, match="dk_smem"):
+        attention_bwd.config_from_spec(128, "dk_early=1+dk_smem=1")
+    for spec in ("dq_publish_late=1+dq_tma=0", "dq_publish_late=1+dq_lag=0", "dq_publish_late=1+with_dq=0"):
+        with pytest.raises(ValueError, match="dq_publish_late"):
+            attention_bwd.config_from_spec(128, spec)
+    for spec in ("third_ds_buffer=1+dq_lag=0", "third_ds_buffer=1+with_dq=0"):
+        with pytest.raises(ValueError, match="third_ds_buffer"):
+            attention_bwd.config_from_spec(128, spec)
+    for hd in (64, 128):
+        assert attention_bwd.config_from_spec(hd, "dk_early=1+dq_publish_late=1").dq_publish_late
+
+
+def test_backward_third_ds_buffer_only_where_three_tiles_fit():
+    # Three 128 x 64 dS tiles fit beside the rest at d = 128; three 128 x 128 ones (d <= 64) do not.
+    assert [attention_bwd.config_from_spec(hd, "third_ds_buffer=1").ds_buffers for hd in (64, 128)] == [2, 3]
+    assert [attention_bwd.config_for(hd).ds_buffers for hd in (64, 128)] == [2, 2]
+    assert attention_bwd.separate_dq_config(128).ds_buffers == 1
+    assert attention_bwd.config_from_spec(128, "dq_lag=0").ds_buffers == 1
+
+
 def test_backward_writer_warp_issues_the_dq_add_at_head_dim_128_only():
     assert attention_bwd.config_for(128).dq_writer and not attention_bwd.config_for(64).dq_writer
     assert not attention_bwd.config_from_spec(128, "dq_writer=0").dq_writer
