@@ -167,10 +167,31 @@ def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
+def p_operand(p, p_layout: gl.constexpr, P_DTYPE: gl.constexpr, KEY_ORDER: gl.constexpr):
+    """The probabilities as the A operand of the P V wgmma (``P_DTYPE``: 16-bit, or e4m3 with
+    FP8), with FP8's keys relabelled in the operand's order (``KEY_ORDER``)."""
+    if KEY_ORDER:
+        return key_ordered_operand(p, p_layout)
+    return gl.convert_layout(p.to(P_DTYPE), p_layout)
+
+
+@gluon.jit
+def online_update(qk, m_i, l_i, qk_scale, OFFSET: gl.constexpr):
+    """The online-softmax update of one tile of (masked) scores: (p, alpha, m, l)."""
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    # OFFSET (FP8's max offset) scales P, and so l, by 2^OFFSET: O = acc / l is unchanged.
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_sub - OFFSET, 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
 def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                   full_lo, full_hi, mods, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                  HAS_ALIBI: gl.constexpr, OFFSET: gl.constexpr = 0):
+                  HAS_ALIBI: gl.constexpr, OFFSET: gl.constexpr = 0, IN_BRANCHES: gl.constexpr = False):
     """Online-softmax update for one key tile: (p, alpha, m, l) with scores in log2 units.
 
     ``mods`` is ``(softcap_scale, softcap_log2, slope_log2)``: with a softcap or ALiBi the
@@ -179,6 +200,13 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
     full_hi)`` are cut by the band or the sequence end and get the element-wise mask; a row
     with no visible key so far keeps ``m = -inf`` and subtracts 0, so its probabilities are
     exactly 0, never NaN.
+
+    ``IN_BRANCHES``: the update is computed in each arm of the masked / unmasked branch, so
+    that no instruction of it shares a basic block with the caller's wait for the P V GEMM
+    in flight (ptxas schedules that wait, ``WARPGROUP.DEPBAR``, at the top of its block,
+    ahead of the update: the update would run after the GEMM instead of under it).  P's
+    conversion to the GEMM's operand stays after the wait: LLVM sinks the two arms' copies of
+    it into the block that follows them (and in FP8 it spills 1136 bytes offline there).
     """
     if HAS_SOFTCAP or HAS_ALIBI:
         softcap_scale, softcap_log2, slope_log2 = mods
@@ -186,18 +214,22 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
         qk, _tanh = score_mod(qk, gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
                               qk_scale, softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         qk_scale = 1.0  # already in log2 units
-    if (n0 < full_lo) | (n0 >= full_hi):
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
-                            window_left, window_right, MASK_LEFT, MASK_RIGHT)
-        qk = gl.where(visible, qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    # OFFSET (FP8's max offset) scales P, and so l, by 2^OFFSET: O = acc / l is unchanged.
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_sub - OFFSET, 1))
-    alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    if IN_BRANCHES:
+        if (n0 < full_lo) | (n0 >= full_hi):
+            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
+                                window_left, window_right, MASK_LEFT, MASK_RIGHT)
+            p, alpha, m_new, l_new = online_update(gl.where(visible, qk, float("-inf")), m_i, l_i, qk_scale, OFFSET)
+        else:
+            p, alpha, m_new, l_new = online_update(qk, m_i, l_i, qk_scale, OFFSET)
+    else:
+        if (n0 < full_lo) | (n0 >= full_hi):
+            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
+                                window_left, window_right, MASK_LEFT, MASK_RIGHT)
+            qk = gl.where(visible, qk, float("-inf"))
+        p, alpha, m_new, l_new = online_update(qk, m_i, l_i, qk_scale, OFFSET)
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -249,7 +281,7 @@ def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D
 @gluon.jit
 def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
-              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SOFTMAX_IN_BRANCHES: gl.constexpr):
     """Rows ``[64 * INDEX, 64 * INDEX + 64)`` of each query tile: the pipelined online-softmax loop.
 
     ``args`` are the kernel's buffers, barriers and runtime arguments, the same for every
@@ -342,10 +374,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, lo, offs_m, sq, sk, scale,
                                                   window_left, window_right, full_lo, full_hi, mods, s_layout,
                                                   BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI, OFFSET)
-                if KEY_ORDER:
-                    p_prev = key_ordered_operand(p, p_layout)
-                else:
-                    p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
+                p_prev = p_operand(p, p_layout, p_dtype, KEY_ORDER)
                 count += 1
                 # One induction variable, the ring count c: this item's tile c - count0 starts at
                 # key n_base + c * BLOCK_N.
@@ -366,19 +395,16 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                     # wgmma groups retire in order: S_j is ready while P_{j-1} V_{j-1} still runs.
                     qk, pv = warpgroup_mma_wait(1, deps=[qk, pv])
                     mbarrier.arrive(k_empty.index(slot), count=1)
-                    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, scale,
-                                                      window_left, window_right, full_lo, full_hi, mods, s_layout,
-                                                      BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                                      OFFSET)
+                    p_c, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, scale,
+                                                        window_left, window_right, full_lo, full_hi, mods, s_layout,
+                                                        BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                                        OFFSET, SOFTMAX_IN_BRANCHES)
                     pv = warpgroup_mma_wait(0, deps=[pv])
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     if FP8:
                         pv = acc + pv
                     acc = pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                    if KEY_ORDER:
-                        p_prev = key_ordered_operand(p, p_layout)
-                    else:
-                        p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
+                    p_prev = p_operand(p_c, p_layout, p_dtype, KEY_ORDER)
                 count = end
                 # The query tile is no longer read: its buffer may take a later item's tile.
                 mbarrier.arrive(q_empty_b, count=1)
@@ -432,6 +458,7 @@ def attention_fwd_kernel(
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
     OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    SOFTMAX_IN_BRANCHES: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -477,19 +504,19 @@ def attention_fwd_kernel(
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI)),
+                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI)),
+                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
             (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI)),
+                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI)),
+                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI)),
+                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -515,10 +542,19 @@ class HopperConfig(RegisterBudget):
     q_buffers: int = 1
     # Consumer warpgroups (2 or 3), each owning 64 rows of the query tile.
     consumers: int = 2
+    # The online-softmax update in each arm of the mask branch (``softmax_step``), so that it
+    # runs while the previous tile's P V GEMM does; with two consumers only (three 160-register
+    # ones spilled 196 / 644 bytes offline at d = 64, non-causal / causal, against 16 / 304).
+    softmax_in_branches: bool = False
 
     @property
     def block_m(self) -> int:
         return self.consumers * CONSUMER_ROWS.value
+
+    @property
+    def update_in_branches(self) -> bool:
+        """Whether the kernel computes the softmax update in the mask branch's arms."""
+        return self.softmax_in_branches and self.consumers == 2
 
     @property
     def query_box_rows(self) -> int:
@@ -560,7 +596,7 @@ def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs) that the offline
 # compile check covers, the GPU tests check and ``benchmarks/bench_hopper.py --variants`` times
 # against the default (docs/tuning.md).
-ALTERNATIVES = ("q_buffers=1",)
+ALTERNATIVES = ("q_buffers=1", "softmax_in_branches=1")
 
 
 def config_from_spec(head_dim_pad: int, spec: str, two_consumers: bool = False) -> HopperConfig:
@@ -590,7 +626,8 @@ def kernel_constexprs(cfg: HopperConfig, hd: int, window_left: int, window_right
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0, KEY_ORDER=False,
-        HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, num_warps=4, maxnreg=cfg.maxnreg,
+        HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, SOFTMAX_IN_BRANCHES=cfg.update_in_branches,
+        num_warps=4, maxnreg=cfg.maxnreg,
     )
 
 

@@ -204,7 +204,8 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
               "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False,
               "PINGPONG": cfg.pingpong, "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
               "FP8": True,
-              "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order, "HAS_SOFTCAP": False, "HAS_ALIBI": False}
+              "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
+              "SOFTMAX_IN_BRANCHES": cfg.softmax_in_branches}
     return _compile(fn, sig, consts, _FORWARD_ALIGNED, {"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 

@@ -30,6 +30,16 @@ def test_forward_alternatives_change_the_default(spec, head_dim_pad):
     assert attention_fwd.config_from_spec(head_dim_pad, "") == default
 
 
+def test_forward_softmax_update_in_branches_only_with_two_consumers():
+    # Three 160-register consumers (d <= 64) keep the update after the branch: in the arms it spills.
+    changed = [attention_fwd.config_from_spec(hd, "softmax_in_branches=1", two) for hd, two in
+               ((64, False), (64, True), (128, False), (256, False))]
+    assert [cfg.update_in_branches for cfg in changed] == [False, True, True, True]
+    assert not any(attention_fwd.config_for(hd).update_in_branches for hd in (64, 128, 256))
+    assert attention_fwd.kernel_constexprs(changed[2], 128, -1, -1, False)["SOFTMAX_IN_BRANCHES"]
+    assert not attention_fwd.kernel_constexprs(changed[0], 64, -1, -1, False)["SOFTMAX_IN_BRANCHES"]
+
+
 def test_three_consumers_serve_small_head_dims_but_not_short_calls():
     assert attention_fwd.call_config(64, THREE_CONSUMERS_MIN_ROWS, -1, -1).consumers == 3
     assert attention_fwd.call_config(64, THREE_CONSUMERS_MIN_ROWS - 1, -1, -1).consumers == 2  # unmasked, few rows
