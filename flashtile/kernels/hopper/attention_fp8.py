@@ -12,7 +12,8 @@ for causal d = 128 only, ``config_for``); what FP8 changes there (the reasons ar
   so ``O = acc / l`` is unchanged and only the LSE takes the offset back out.
 * ``P V`` needs V K-major (keys contiguous): V arrives transposed, ``(batch, nheads_k,
   headdim, seqlen_k)``, and its tiles are ``[HEAD_DIM, BLOCK_N]`` boxes.
-* Each tile's ``P V`` is a fresh wgmma accumulator added to the output in fp32.
+* Each tile's ``P V`` is a fresh wgmma accumulator added to the output in fp32, one FMA an
+  element: the output is kept one tile behind the running max (``acc * alpha_prev + P V``).
 * ``v_descale`` joins ``1 / l`` in the epilogue; the output is bf16.
 
 This module is the host side: tiles, descriptors, the descales, the launch.  Dense batches,

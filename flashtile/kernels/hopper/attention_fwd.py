@@ -395,6 +395,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                     # wgmma groups retire in order: S_j is ready while P_{j-1} V_{j-1} still runs.
                     qk, pv = warpgroup_mma_wait(1, deps=[qk, pv])
                     mbarrier.arrive(k_empty.index(slot), count=1)
+                    alpha_prev = alpha  # the scale from the tile before's running max to the next one's
                     p_c, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, scale,
                                                         window_left, window_right, full_lo, full_hi, mods, s_layout,
                                                         BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -402,8 +403,12 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                     pv = warpgroup_mma_wait(0, deps=[pv])
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     if FP8:
-                        pv = acc + pv
-                    acc = pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                        # A tile's P V comes in a fresh accumulator: the sum stays one tile behind
+                        # the running max (in the frame of P_{j-1}'s max, as P_{j-1} V_{j-1} is),
+                        # so taking it on is one FMA: acc * alpha_{j-1} + P_{j-1} V_{j-1}.
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout)), 1) + pv
+                    else:
+                        acc = pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                     p_prev = p_operand(p_c, p_layout, p_dtype, KEY_ORDER)
                 count = end
                 # The query tile is no longer read: its buffer may take a later item's tile.
@@ -414,8 +419,10 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 pv = warpgroup_mma_wait(0, deps=[pv])
                 mbarrier.arrive(v_empty.index(last), count=1)
                 if FP8:
-                    pv = acc + pv
-                acc = pv
+                    # Into the last tile's frame, with its P V: the running max's.
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1) + pv
+                else:
+                    acc = pv
             else:
                 mbarrier.arrive(q_empty_b, count=1)
             pass_tiles(count, count + after, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG)

@@ -49,11 +49,14 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # * the wide-head backward (``attention_bwd_wide``), d = 256: a few words of the step loop
 #   (24 bytes dense, 40-56 masked or packed; none with the one-row constants);
 # * its dQ pass (``attention_bwd_dq``): a few words of the persistent item loop beside the dQ
-#   accumulator (d = 256: 0-12 bytes, 16 with a two-slot K ring; d = 128 causal 20).
+#   accumulator (d = 256: 0-12 bytes, 16 with a two-slot K ring; d = 128 causal 20);
+# * the FP8 forward, d = 128: the output, the tile's P V accumulator and the scores leave a few
+#   words in local memory (0-8 bytes by default, 36-40 in the ``key_order=0`` and
+#   ``softmax_in_branches=1`` alternatives).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
                       ("backward", 64): 776, ("backward", 128): 704, ("backward_wide", 256): 64,
                       ("backward_dq", 64): 32, ("backward_dq", 128): 32, ("backward_dq", 256): 32,
-                      ("fp8", 64): 32, ("fp8", 128): 32}
+                      ("fp8", 64): 32, ("fp8", 128): 48}
 
 # Alternatives with a budget of their own (kernel, spec): the wide-head backward on a persistent
 # grid keeps its per-tile values and ring counts beside dK and dV (offline ptxas, d = 256:
