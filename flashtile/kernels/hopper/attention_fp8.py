@@ -60,9 +60,9 @@ class HopperFp8Config(RegisterBudget):
     key_order: bool = True
     # The consumers take turns issuing their GEMMs (else each issues when it is ready).
     pingpong: bool = True
-    # The online-softmax update in each arm of the mask branch (``attention_fwd.softmax_step``),
-    # so that it runs while the previous tile's P V GEMM does.
-    softmax_in_branches: bool = False
+    # The online-softmax update in a block of its own (``attention_fwd.softmax_step``), so that
+    # it runs while the previous tile's P V GEMM does.
+    softmax_under_pv: bool = False
 
     @property
     def block_m(self) -> int:
@@ -86,7 +86,7 @@ def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
 # in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
-ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=1", "softmax_in_branches=1")
+ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=1", "softmax_under_pv=1")
 
 
 def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
@@ -144,7 +144,7 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
-        KEY_ORDER=cfg.key_order, HAS_SOFTCAP=False, HAS_ALIBI=False, SOFTMAX_IN_BRANCHES=cfg.softmax_in_branches,
+        KEY_ORDER=cfg.key_order, HAS_SOFTCAP=False, HAS_ALIBI=False, SOFTMAX_OWN_BLOCK=cfg.softmax_under_pv,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     return out, lse

@@ -191,7 +191,7 @@ def online_update(qk, m_i, l_i, qk_scale, OFFSET: gl.constexpr):
 def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                   full_lo, full_hi, mods, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                  HAS_ALIBI: gl.constexpr, OFFSET: gl.constexpr = 0, IN_BRANCHES: gl.constexpr = False):
+                  HAS_ALIBI: gl.constexpr, OFFSET: gl.constexpr = 0, OWN_BLOCK: gl.constexpr = False):
     """Online-softmax update for one key tile: (p, alpha, m, l) with scores in log2 units.
 
     ``mods`` is ``(softcap_scale, softcap_log2, slope_log2)``: with a softcap or ALiBi the
@@ -201,12 +201,11 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
     with no visible key so far keeps ``m = -inf`` and subtracts 0, so its probabilities are
     exactly 0, never NaN.
 
-    ``IN_BRANCHES``: the update is computed in each arm of the masked / unmasked branch, so
-    that no instruction of it shares a basic block with the caller's wait for the P V GEMM
-    in flight (ptxas schedules that wait, ``WARPGROUP.DEPBAR``, at the top of its block,
-    ahead of the update: the update would run after the GEMM instead of under it).  P's
-    conversion to the GEMM's operand stays after the wait: LLVM sinks the two arms' copies of
-    it into the block that follows them (and in FP8 it spills 1136 bytes offline there).
+    ``OWN_BLOCK``: the update is computed behind a branch that is always taken (``n0 >= 0``;
+    the compiler cannot tell), so that no instruction of it shares a basic block with the
+    caller's wait for the P V GEMM in flight: ptxas schedules that wait, ``WARPGROUP.DEPBAR``,
+    at the top of its block, ahead of an update in the same block, which then runs after the
+    GEMM instead of under it (a ``thread_barrier`` between them does not stop it).
     """
     if HAS_SOFTCAP or HAS_ALIBI:
         softcap_scale, softcap_log2, slope_log2 = mods
@@ -214,14 +213,16 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
         qk, _tanh = score_mod(qk, gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
                               qk_scale, softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         qk_scale = 1.0  # already in log2 units
-    if IN_BRANCHES:
+    if OWN_BLOCK:
         if (n0 < full_lo) | (n0 >= full_hi):
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
                                 window_left, window_right, MASK_LEFT, MASK_RIGHT)
-            p, alpha, m_new, l_new = online_update(gl.where(visible, qk, float("-inf")), m_i, l_i, qk_scale, OFFSET)
-        else:
+            qk = gl.where(visible, qk, float("-inf"))
+        if n0 >= 0:
             p, alpha, m_new, l_new = online_update(qk, m_i, l_i, qk_scale, OFFSET)
+        else:  # never: key tiles start at key 0 or later
+            p, alpha, m_new, l_new = qk, m_i, m_i, l_i
     else:
         if (n0 < full_lo) | (n0 >= full_hi):
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -281,7 +282,7 @@ def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D
 @gluon.jit
 def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
-              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SOFTMAX_IN_BRANCHES: gl.constexpr):
+              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SOFTMAX_OWN_BLOCK: gl.constexpr):
     """Rows ``[64 * INDEX, 64 * INDEX + 64)`` of each query tile: the pipelined online-softmax loop.
 
     ``args`` are the kernel's buffers, barriers and runtime arguments, the same for every
@@ -399,7 +400,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                     p_c, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, n_base + c * BLOCK_N, offs_m, sq, sk, scale,
                                                         window_left, window_right, full_lo, full_hi, mods, s_layout,
                                                         BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                                        OFFSET, SOFTMAX_IN_BRANCHES)
+                                                        OFFSET, SOFTMAX_OWN_BLOCK)
                     pv = warpgroup_mma_wait(0, deps=[pv])
                     mbarrier.arrive(v_empty.index(prev), count=1)
                     if FP8:
@@ -465,7 +466,7 @@ def attention_fwd_kernel(
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
     OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    SOFTMAX_IN_BRANCHES: gl.constexpr,
+    SOFTMAX_OWN_BLOCK: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -511,19 +512,19 @@ def attention_fwd_kernel(
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
+                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
+                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
             (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
+                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
+                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_IN_BRANCHES)),
+                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -549,19 +550,19 @@ class HopperConfig(RegisterBudget):
     q_buffers: int = 1
     # Consumer warpgroups (2 or 3), each owning 64 rows of the query tile.
     consumers: int = 2
-    # The online-softmax update in each arm of the mask branch (``softmax_step``), so that it
-    # runs while the previous tile's P V GEMM does; with two consumers only (three 160-register
-    # ones spilled 196 / 644 bytes offline at d = 64, non-causal / causal, against 16 / 304).
-    softmax_in_branches: bool = False
+    # The online-softmax update in a block of its own (``softmax_step``), so that it runs while
+    # the previous tile's P V GEMM does; with two consumers only (three 160-register ones spilled
+    # 56 / 424 bytes offline at d = 64, non-causal / causal, against 16 / 304).
+    softmax_under_pv: bool = False
 
     @property
     def block_m(self) -> int:
         return self.consumers * CONSUMER_ROWS.value
 
     @property
-    def update_in_branches(self) -> bool:
-        """Whether the kernel computes the softmax update in the mask branch's arms."""
-        return self.softmax_in_branches and self.consumers == 2
+    def softmax_own_block(self) -> bool:
+        """Whether the kernel computes the softmax update in a block of its own (``softmax_step``)."""
+        return self.softmax_under_pv and self.consumers == 2
 
     @property
     def query_box_rows(self) -> int:
@@ -603,7 +604,7 @@ def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs) that the offline
 # compile check covers, the GPU tests check and ``benchmarks/bench_hopper.py --variants`` times
 # against the default (docs/tuning.md).
-ALTERNATIVES = ("q_buffers=1", "softmax_in_branches=1")
+ALTERNATIVES = ("q_buffers=1", "softmax_under_pv=1")
 
 
 def config_from_spec(head_dim_pad: int, spec: str, two_consumers: bool = False) -> HopperConfig:
@@ -633,7 +634,7 @@ def kernel_constexprs(cfg: HopperConfig, hd: int, window_left: int, window_right
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0, KEY_ORDER=False,
-        HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, SOFTMAX_IN_BRANCHES=cfg.update_in_branches,
+        HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, SOFTMAX_OWN_BLOCK=cfg.softmax_own_block,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
 

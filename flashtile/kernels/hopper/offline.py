@@ -51,8 +51,8 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # * its dQ pass (``attention_bwd_dq``): a few words of the persistent item loop beside the dQ
 #   accumulator (d = 256: 0-12 bytes, 16 with a two-slot K ring; d = 128 causal 20);
 # * the FP8 forward, d = 128: the output, the tile's P V accumulator and the scores leave a few
-#   words in local memory (0-8 bytes by default, 36-40 in the ``key_order=0`` and
-#   ``softmax_in_branches=1`` alternatives).
+#   words in local memory (0-8 bytes by default, 36 in the ``key_order=0`` and
+#   ``softmax_under_pv=1`` alternatives).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
                       ("backward", 64): 776, ("backward", 128): 704, ("backward_wide", 256): 64,
                       ("backward_dq", 64): 32, ("backward_dq", 128): 32, ("backward_dq", 256): 32,
@@ -208,7 +208,7 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
               "PINGPONG": cfg.pingpong, "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
               "FP8": True,
               "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
-              "SOFTMAX_IN_BRANCHES": cfg.softmax_in_branches}
+              "SOFTMAX_OWN_BLOCK": cfg.softmax_under_pv}
     return _compile(fn, sig, consts, _FORWARD_ALIGNED, {"num_warps": 4, "maxnreg": cfg.maxnreg})
 
 

@@ -30,14 +30,14 @@ def test_forward_alternatives_change_the_default(spec, head_dim_pad):
     assert attention_fwd.config_from_spec(head_dim_pad, "") == default
 
 
-def test_forward_softmax_update_in_branches_only_with_two_consumers():
-    # Three 160-register consumers (d <= 64) keep the update after the branch: in the arms it spills.
-    changed = [attention_fwd.config_from_spec(hd, "softmax_in_branches=1", two) for hd, two in
+def test_forward_softmax_in_its_own_block_only_with_two_consumers():
+    # Three 160-register consumers (d <= 64) keep the update in the block of the wait: apart it spills.
+    changed = [attention_fwd.config_from_spec(hd, "softmax_under_pv=1", two) for hd, two in
                ((64, False), (64, True), (128, False), (256, False))]
-    assert [cfg.update_in_branches for cfg in changed] == [False, True, True, True]
-    assert not any(attention_fwd.config_for(hd).update_in_branches for hd in (64, 128, 256))
-    assert attention_fwd.kernel_constexprs(changed[2], 128, -1, -1, False)["SOFTMAX_IN_BRANCHES"]
-    assert not attention_fwd.kernel_constexprs(changed[0], 64, -1, -1, False)["SOFTMAX_IN_BRANCHES"]
+    assert [cfg.softmax_own_block for cfg in changed] == [False, True, True, True]
+    assert not any(attention_fwd.config_for(hd).softmax_own_block for hd in (64, 128, 256))
+    assert attention_fwd.kernel_constexprs(changed[2], 128, -1, -1, False)["SOFTMAX_OWN_BLOCK"]
+    assert not attention_fwd.kernel_constexprs(changed[0], 64, -1, -1, False)["SOFTMAX_OWN_BLOCK"]
 
 
 def test_three_consumers_serve_small_head_dims_but_not_short_calls():
