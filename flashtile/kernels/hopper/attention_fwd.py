@@ -20,8 +20,10 @@ partitions that share shared memory and talk through mbarriers:
   and keeps its running softmax state -- row max ``m``, row sum ``l`` and the
   un-normalised fp32 accumulator -- in registers.  Per key tile ``j`` a consumer issues
   ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` back to back as asynchronous wgmma, waits
-  only for ``S_j``, and runs the online-softmax update of tile ``j`` while the tensor cores
-  still work on ``P_{j-1} V_{j-1}``.  ``P`` stays in registers as the A operand of its wgmma.
+  only for ``S_j``, and computes the online-softmax update of tile ``j`` before it waits for
+  ``P_{j-1} V_{j-1}``.  (ptxas moves that second wait ahead of the update, unless the update
+  sits in a basic block of its own: ``HopperConfig.softmax_under_pv``.)  ``P`` stays in
+  registers as the A operand of its wgmma.
   With ``PINGPONG`` the consumers also take turns issuing their GEMMs (a ring of mbarriers
   passes the turn), so one warpgroup's softmax runs under the others' GEMMs.  A consumer
   computes on the key tiles its own rows see and passes the item's others (``pass_tiles``).
