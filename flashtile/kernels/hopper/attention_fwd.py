@@ -215,22 +215,17 @@ def softmax_step(qk, m_i, l_i, n0, offs_m, seqlen_q, seqlen_k, qk_scale, window_
         qk, _tanh = score_mod(qk, gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
                               qk_scale, softcap_scale, softcap_log2, slope_log2, HAS_SOFTCAP, HAS_ALIBI)
         qk_scale = 1.0  # already in log2 units
+    if (n0 < full_lo) | (n0 >= full_hi):
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
+                            window_left, window_right, MASK_LEFT, MASK_RIGHT)
+        qk = gl.where(visible, qk, float("-inf"))
     if OWN_BLOCK:
-        if (n0 < full_lo) | (n0 >= full_hi):
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
-                                window_left, window_right, MASK_LEFT, MASK_RIGHT)
-            qk = gl.where(visible, qk, float("-inf"))
         if n0 >= 0:
             p, alpha, m_new, l_new = online_update(qk, m_i, l_i, qk_scale, OFFSET)
         else:  # never: key tiles start at key 0 or later
             p, alpha, m_new, l_new = qk, m_i, m_i, l_i
     else:
-        if (n0 < full_lo) | (n0 >= full_hi):
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            visible = band_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), seqlen_q, seqlen_k,
-                                window_left, window_right, MASK_LEFT, MASK_RIGHT)
-            qk = gl.where(visible, qk, float("-inf"))
         p, alpha, m_new, l_new = online_update(qk, m_i, l_i, qk_scale, OFFSET)
     return p, alpha, m_new, l_new
 
