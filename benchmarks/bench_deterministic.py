@@ -21,7 +21,8 @@ import argparse
 import torch
 
 import flashtile
-from flashtile.bench.common import environment, save_figure, save_records, shape_sweep, subplots
+from flashtile.bench.common import (environment, save_figure, save_records, shape_sweep, standard_batch_heads,
+                                    subplots)
 from flashtile.bench.gpu import attention_flops, time_attention
 from flashtile.kernels import engine
 from flashtile.kernels.engine import SHORT_MASKED_BACKWARD_ROWS, backward_engine, short_masked
@@ -32,7 +33,7 @@ def _fn(causal, deterministic):
 
 
 def _inputs(n, d, seed):
-    batch, heads = max(1, 16384 // n), 2048 // d
+    batch, heads = standard_batch_heads(n, d)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
 

@@ -82,7 +82,7 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
     import triton
 
     import flashtile
-    from flashtile.bench.common import environment
+    from flashtile.bench.common import environment, standard_batch_heads
     from flashtile.bench.gpu import attention_flops
     from flashtile.fp8 import flash_attn_fp8_func, transpose_v
     from flashtile.kernels.attention_fp8 import (
@@ -99,7 +99,7 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
 
     for headdim in headdims:
         for seqlen in seqlens:
-            batch, nheads = max(1, 16384 // seqlen), 2048 // headdim
+            batch, nheads = standard_batch_heads(seqlen, headdim)
             nheads_k = max(1, nheads // nheads_k_div)
             (q, k, v), (q8, k8, v8, qd, kd, vd), v_t = _inputs(batch, seqlen, nheads, nheads_k, headdim)
             # The bf16 kernel on the dequantised inputs: the check for every FP8 configuration.

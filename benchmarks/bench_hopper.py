@@ -26,7 +26,7 @@ import json
 import torch
 import triton
 
-from flashtile.bench.common import environment, shape_sweep
+from flashtile.bench.common import environment, shape_sweep, standard_batch_heads
 from flashtile.bench.gpu import engine_for, impl_fn
 from flashtile.kernels import attention as ka
 from flashtile.kernels.hopper import attention_fwd as hopper
@@ -76,7 +76,7 @@ def main():
     env = environment("cuda")
     records = []
     for d, causal, n in shape_sweep(args.headdims, args.causal, args.seqlens):
-        batch, heads = 16384 // n, 2048 // d
+        batch, heads = standard_batch_heads(n, d)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))

@@ -27,7 +27,8 @@ import os
 
 import torch
 
-from flashtile.bench.common import environment, save_figure, save_records, shape_sweep, subplots
+from flashtile.bench.common import (environment, save_figure, save_records, shape_sweep, standard_batch_heads,
+                                    subplots)
 from flashtile.bench.gpu import attention_flops, impl_fn, time_attention
 from flashtile.kernels import engine
 from flashtile.kernels.engine import ENGINE_ENV
@@ -131,7 +132,7 @@ def main():
     rows = [("gluon", "")] + [("gluon", v) for v in args.variants] + [(p, "") for p in args.peers]
     records = []
     for d, causal, n in shape_sweep(args.headdims, args.causal, args.seqlens):
-        b, h = max(1, 16384 // n), 2048 // d
+        b, h = standard_batch_heads(n, d)
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = attention_flops(b, h, n, n, d, causal, "fwd_bwd")
         line = []

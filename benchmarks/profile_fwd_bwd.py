@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashtile
-from flashtile.bench.common import environment, shape_sweep, write_jsonl
+from flashtile.bench.common import environment, shape_sweep, standard_batch_heads, write_jsonl
 from flashtile.kernels.engine import ENGINE_ENV
 
 STEPS = 5
@@ -41,7 +41,7 @@ def _step_fn(causal, q, k, v, dout):
 
 def profile_shape(engine: str, d: int, n: int, causal: bool) -> dict:
     os.environ[ENGINE_ENV] = engine
-    batch, heads = 16384 // n, 2048 // d
+    batch, heads = standard_batch_heads(n, d)
     q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn_like(q)

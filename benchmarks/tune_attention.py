@@ -14,6 +14,7 @@ import torch
 import triton
 
 from flashtile import cpu
+from flashtile.bench.common import standard_batch_heads
 from flashtile.bench.gpu import attention_flops
 from flashtile.kernels import attention as ka
 from flashtile.kernels.runtime import TileConfig
@@ -52,7 +53,7 @@ def main():
     rows = []
     n = args.seqlen
     for d in args.headdims:
-        b, h = 16384 // n, 2048 // d
+        b, h = standard_batch_heads(n, d)
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         hd = padded_headdim(d)
         for causal in args.causal:

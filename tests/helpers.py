@@ -118,7 +118,34 @@ def reference_attention_grads(
     The copies are made in the compute dtype (float64 when ``upcast``), so the returned
     gradients are *not* rounded back to the inputs' dtype.  ``dlse`` (optional) is the
     gradient flowing into the LSE.  Returns ``(out, lse, dq, dk, dv)``.
+
+    Heads are independent, so a problem whose score tensor would pass
+    ``REFERENCE_CHUNK_BYTES`` runs a few KV heads (with their query heads) at a time: the
+    autograd graph holds several score-sized tensors, and GPU tests run side by side.
     """
+    nheads_k = k.shape[2]
+    group = q.shape[2] // max(nheads_k, 1)
+    score_bytes = q.shape[0] * group * q.shape[1] * k.shape[1] * (8 if upcast else q.element_size())
+    per_chunk = max(1, REFERENCE_CHUNK_BYTES // max(score_bytes, 1))
+    if nheads_k <= per_chunk:
+        return _reference_attention_grads(q, k, v, dout, dlse, upcast, **kwargs)
+    slopes = kwargs.pop("alibi_slopes", None)
+    parts = []
+    for h in range(0, nheads_k, per_chunk):
+        kv, rows = slice(h, h + per_chunk), slice(h * group, (h + per_chunk) * group)
+        chunk_slopes = None if slopes is None else slopes[..., rows]
+        parts.append(_reference_attention_grads(q[:, :, rows], k[:, :, kv], v[:, :, kv], dout[:, :, rows],
+                                                None if dlse is None else dlse[:, rows], upcast,
+                                                alibi_slopes=chunk_slopes, **kwargs))
+    out, lse, dq, dk, dv = zip(*parts)
+    return torch.cat(out, 2), torch.cat(lse, 1), torch.cat(dq, 2), torch.cat(dk, 2), torch.cat(dv, 2)
+
+
+# The score tensor's size above which reference_attention_grads splits the heads.
+REFERENCE_CHUNK_BYTES = 2**30
+
+
+def _reference_attention_grads(q, k, v, dout, dlse, upcast, **kwargs):
     dtype = torch.float64 if upcast else q.dtype
     qr, kr, vr = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
     out, lse = reference_attention(qr, kr, vr, upcast=upcast, **kwargs)

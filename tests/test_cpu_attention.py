@@ -276,6 +276,23 @@ def test_backward_recomputes_the_forward_probabilities(engine):
     assert_close_to_reference(dv, ref[4], low[4], name="dv", factor=4.0, atol_floor=floor)
 
 
+@pytest.mark.parametrize("causal, alibi, with_dlse", [(False, False, False), (True, True, True)])
+def test_reference_grads_split_by_heads_equal_the_whole(monkeypatch, causal, alibi, with_dlse):
+    # Large GPU cases run the oracle a few KV heads at a time (helpers.REFERENCE_CHUNK_BYTES):
+    # one KV head (and its query heads) per chunk here must give the very same numbers.
+    import helpers
+
+    q, k, v = random_qkv(2, 33, 40, 6, 3, 16, torch.float32)
+    dout = random_like(q, seed=1)
+    dlse = torch.randn(2, 6, 33, dtype=torch.float64) if with_dlse else None
+    kw = dict(causal=causal, alibi_slopes=torch.rand(2, 6) if alibi else None)
+    whole = reference_attention_grads(q, k, v, dout, dlse, **kw)
+    monkeypatch.setattr(helpers, "REFERENCE_CHUNK_BYTES", 1)
+    split = reference_attention_grads(q, k, v, dout, dlse, **kw)
+    for a, b in zip(whole, split):
+        assert torch.equal(a, b)
+
+
 def test_all_scores_very_negative():
     # Every score is about -1000 (exp underflows to 0 without the max shift): the output is
     # still the exact softmax average, not 0 or NaN.

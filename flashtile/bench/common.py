@@ -28,6 +28,7 @@ __all__ = [
     "peak_memory",
     "cpu_peak_memory_method",
     "format_bytes",
+    "standard_batch_heads",
     "OtherCpuLoad",
 ]
 
@@ -282,6 +283,13 @@ def shape_sweep(headdims, causal, seqlens):
     """``(headdim, causal, seqlen)`` of a benchmark's ``--headdims`` / ``--causal`` (0 / 1) /
     ``--seqlens`` sweep, in that nesting order (head dim outermost)."""
     return [(d, bool(c), n) for d in headdims for c in causal for n in seqlens]
+
+
+def standard_batch_heads(seqlen: int, headdim: int) -> tuple[int, int]:
+    """``(batch, heads)`` of the standard attention shape at this sequence length and head dim:
+    batch * seqlen = 16k tokens (at least one sequence, so 32k and longer keep batch 1) and
+    heads * headdim = 2048."""
+    return max(1, 16384 // seqlen), 2048 // headdim
 
 
 def compile_for_benchmark(fn):

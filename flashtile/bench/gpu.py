@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import compile_for_benchmark, default_out_dir, environment, save_figure, save_results, subplots
+from flashtile.bench.common import (compile_for_benchmark, default_out_dir, environment, save_figure, save_results,
+                                    standard_batch_heads, subplots)
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
@@ -208,7 +209,7 @@ def run_gpu_benchmark(
     try:
         for headdim, causal, seqlen, mode, impl in bar:
             bar.set_postfix_str(f"d={headdim} causal={int(causal)} n={seqlen} {mode} {impl}")
-            batch, nheads = max(1, 16384 // seqlen), 2048 // headdim
+            batch, nheads = standard_batch_heads(seqlen, headdim)
             rec = dict(bench="attention", impl=impl, mode=mode, dtype=str(dtype).replace("torch.", ""), batch=batch,
                        nheads=nheads, nheads_k=nheads, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim, causal=causal, **env)
             naive_bytes = batch * nheads * seqlen * seqlen * (2 + 4 + 2) * (3 if mode == "fwd_bwd" else 1)

@@ -71,9 +71,9 @@ GLUON_DQ_MIN_HEADDIM = 65
 # A masked call of fewer query rows than this, from GLUON_DQ_MIN_HEADDIM to 128, runs the Gluon
 # backward as a deterministic call does: dK / dV without dQ, then the Gluon dQ pass writing dQ
 # directly -- no fp32 workspace to clear, add into and convert, a fixed cost a short call feels
-# (H200, d = 128 causal, forward + backward, N = 1k: 346 TFLOP/s against 313 with the
-# workspace; N = 4k: 485 against 501; docs/tuning.md).
-SEPARATE_DQ_MAX_ROWS = 2048
+# (d = 128 causal, forward + backward: H200 N = 1k 346 TFLOP/s against 313 with the workspace,
+# N = 4k 485 against 501; H100 N = 2k 426 against 360; docs/tuning.md).
+SEPARATE_DQ_MAX_ROWS = 4096
 
 
 def separate_dq(head_dim_pad: int, deterministic: bool, seqlen_q: int, window_left: int, window_right: int) -> bool:

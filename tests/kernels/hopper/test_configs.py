@@ -84,7 +84,7 @@ def test_backward_knobs_that_need_others_are_rejected_without_them():
     for spec in ("dq_publish_late=1+dq_tma=0", "dq_publish_late=1+dq_lag=0", "dq_publish_late=1+with_dq=0"):
         with pytest.raises(ValueError, match="dq_publish_late"):
             attention_bwd.config_from_spec(128, spec)
-    for spec in ("third_ds_buffer=1+dq_lag=0", "third_ds_buffer=1+with_dq=0"):
+    for spec in ("third_ds_buffer=1+dq_lag=0+dq_publish_late=0", "third_ds_buffer=1+with_dq=0+dq_publish_late=0"):
         with pytest.raises(ValueError, match="third_ds_buffer"):
             attention_bwd.config_from_spec(128, spec)
     for hd in (64, 128):
@@ -96,7 +96,13 @@ def test_backward_third_ds_buffer_only_where_three_tiles_fit():
     assert [attention_bwd.config_from_spec(hd, "third_ds_buffer=1").ds_buffers for hd in (64, 128)] == [2, 3]
     assert [attention_bwd.config_for(hd).ds_buffers for hd in (64, 128)] == [2, 2]
     assert attention_bwd.separate_dq_config(128).ds_buffers == 1
-    assert attention_bwd.config_from_spec(128, "dq_lag=0").ds_buffers == 1
+    assert attention_bwd.config_from_spec(128, "dq_lag=0+dq_publish_late=0").ds_buffers == 1
+
+
+def test_backward_issues_dk_early_and_publishes_dq_late_above_head_dim_64():
+    assert [(c.dk_early, c.dq_publish_late) for c in map(attention_bwd.config_for, (64, 128))] == [
+        (False, False), (True, True)]
+    assert not attention_bwd.separate_dq_config(128).dq_publish_late
 
 
 def test_backward_writer_warp_issues_the_dq_add_at_head_dim_128_only():
