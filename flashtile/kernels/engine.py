@@ -61,15 +61,15 @@ GLUON_BACKWARD_AUTO_MIN_HEADDIM = 65
 # backward measured 1.05-1.23x cuDNN on an H200 from N = 1k (0.91x causal at N = 512) and
 # 1.6-2.5x the ``tl.*`` backward (README, docs/tuning.md).
 GLUON_BACKWARD_MAX_HEADDIM = 256
-# A Gluon backward whose dK / dV kernel computes no dQ (``separate_dq``) takes dQ from the
-# Gluon dQ kernel (``attention_bwd_dq``) from this padded head dim on, and from the ``tl.*`` dQ
-# kernel below it: deterministic calls at d = 128 measured 1.00-1.06x faster with the Gluon
-# pass, at d = 64 0.93-0.98x (docs/tuning.md).
+# A deterministic Gluon backward (dK / dV without dQ, ``separate_dq``) takes dQ from the Gluon
+# dQ kernel (``attention_bwd_dq``) from this padded head dim on, and from the ``tl.*`` dQ kernel
+# below it: at d = 128 the Gluon pass measured 1.00-1.06x faster, at d = 64 0.93-0.98x
+# (docs/tuning.md).  Short masked calls take the Gluon pass at every head dim.
 GLUON_DQ_MIN_HEADDIM = 65
 
 
-# A masked call of fewer query rows than this, from GLUON_DQ_MIN_HEADDIM to 128, runs the Gluon
-# backward as a deterministic call does: dK / dV without dQ, then the Gluon dQ pass writing dQ
+# A masked call of fewer query rows than this runs the Gluon backward as a deterministic call
+# does: dK / dV without dQ, then the Gluon dQ pass writing dQ
 # directly -- no fp32 workspace to clear, add into and convert, a fixed cost a short call feels
 # (d = 128 causal, forward + backward: H200 N = 1k 346 TFLOP/s against 313 with the workspace,
 # N = 4k 485 against 501; H100 N = 2k 426 against 360; docs/tuning.md).
@@ -82,13 +82,13 @@ def separate_dq(head_dim_pad: int, deterministic: bool, seqlen_q: int, window_le
     workspace: for ``deterministic`` calls (the pass sums in a fixed order), head dims above
     128 (``attention_bwd_wide`` has no room for dQ) and short masked calls (above)."""
     return (deterministic or head_dim_pad > 128
-            or (head_dim_pad >= GLUON_DQ_MIN_HEADDIM
-                and short_masked(seqlen_q, window_left, window_right, SEPARATE_DQ_MAX_ROWS)))
+            or short_masked(seqlen_q, window_left, window_right, SEPARATE_DQ_MAX_ROWS))
 
 
-def separate_dq_engine(head_dim_pad: int) -> str:
-    """``"gluon"`` or ``"triton"``: the kernel of a Gluon backward's separate dQ pass."""
-    return "gluon" if head_dim_pad >= GLUON_DQ_MIN_HEADDIM else "triton"
+def separate_dq_engine(head_dim_pad: int, deterministic: bool = True) -> str:
+    """``"gluon"`` or ``"triton"``: the kernel of a Gluon backward's separate dQ pass
+    (``GLUON_DQ_MIN_HEADDIM``)."""
+    return "gluon" if head_dim_pad >= GLUON_DQ_MIN_HEADDIM or not deterministic else "triton"
 
 
 def requested_engine() -> str:

@@ -157,12 +157,18 @@ def test_separate_dq_for_deterministic_wide_and_short_masked_calls():
         assert engine.separate_dq(d, True, 4096, -1, -1)  # deterministic: always
     assert engine.separate_dq(256, False, 4096, -1, -1)  # the wide heads: always
     assert not engine.separate_dq(128, False, 4096, -1, -1)
-    # Short masked calls from GLUON_DQ_MIN_HEADDIM: causal (window_right 0) or windowed.
-    assert engine.separate_dq(128, False, rows - 1, -1, 0) and engine.separate_dq(128, False, rows - 1, 100, -1)
-    assert not engine.separate_dq(128, False, rows, -1, 0)
-    assert not engine.separate_dq(128, False, rows - 1, -1, -1)  # unmasked
-    assert not engine.separate_dq(engine.GLUON_DQ_MIN_HEADDIM - 1, False, rows - 1, -1, 0)
-    assert engine.separate_dq(engine.GLUON_DQ_MIN_HEADDIM, False, rows - 1, -1, 0)
+    # Short masked calls at every head dim: causal (window_right 0) or windowed.
+    for d in (64, 128):
+        assert engine.separate_dq(d, False, rows - 1, -1, 0) and engine.separate_dq(d, False, rows - 1, 100, -1)
+        assert not engine.separate_dq(d, False, rows, -1, 0)
+        assert not engine.separate_dq(d, False, rows - 1, -1, -1)  # unmasked
+
+
+def test_separate_dq_pass_is_gluon_but_for_deterministic_calls_up_to_head_dim_64():
+    below, at = engine.GLUON_DQ_MIN_HEADDIM - 1, engine.GLUON_DQ_MIN_HEADDIM
+    assert engine.separate_dq_engine(below, deterministic=True) == "triton"
+    assert engine.separate_dq_engine(below, deterministic=False) == "gluon"
+    assert engine.separate_dq_engine(at, deterministic=True) == engine.separate_dq_engine(256) == "gluon"
 
 
 def test_two_consumer_calls_are_short_masked_or_few_unmasked_rows():

@@ -374,7 +374,7 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
         dq_acc, dk_, dv_ = attention_bwd.backward(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
                                                   params.window_left, params.window_right, separate_dq=split)
         if dq_acc is None:  # engine.separate_dq: dK and dV alone; dQ in a pass whose programs own rows
-            if separate_dq_engine(hd) == "gluon":
+            if separate_dq_engine(hd, params.deterministic) == "gluon":
                 from flashtile.kernels.hopper import attention_bwd_dq
 
                 dq_ = attention_bwd_dq.backward_dq(layout, q_, k_, v_, do_, lse2, delta, d, params.softmax_scale,
@@ -498,7 +498,7 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
                                                    split)
 
         gluon_dq = None  # engine.separate_dq: dQ in a separate pass, as the general path's
-        if not attention_bwd.returns_dq_workspace(d, split) and separate_dq_engine(d) == "gluon":
+        if not attention_bwd.returns_dq_workspace(d, split) and separate_dq_engine(d, params.deterministic) == "gluon":
             from flashtile.kernels.hopper import attention_bwd_dq
 
             gluon_dq = attention_bwd_dq.dense_plan(layout, q, k, v, dout, sample_lse2, sample_delta,

@@ -26,7 +26,7 @@ needs_hopper = pytest.mark.skipif(not is_hopper(), reason="the Gluon kernels nee
 def _use_config(monkeypatch, spec):
     """Run the Gluon backward with configuration ``spec`` (``hopper.configured``; "": the default),
     dQ from its workspace on short masked calls too (``engine.separate_dq`` gives those a
-    separate dQ pass above d = 64, which would leave the configuration untested there)."""
+    separate dQ pass, which would leave the configuration untested there)."""
     monkeypatch.setattr(attention_bwd, "config_for", configured(attention_bwd.config_for, spec))
     monkeypatch.setattr(engine, "SEPARATE_DQ_MAX_ROWS", 0)
 
@@ -41,7 +41,7 @@ def test_gluon_backward_matches_reference(case, dtype):
 @needs_hopper
 @pytest.mark.parametrize("case", [c for c in NARROW_CASES if c[6] or c[7] != (-1, -1)], ids=case_id)
 def test_gluon_backward_with_dq_workspace_matches_reference_on_masked_calls(case, monkeypatch):
-    # Above d = 64 the short ones among these take a separate dQ pass by default (engine.separate_dq).
+    # The short ones among these take a separate dQ pass by default (engine.separate_dq).
     monkeypatch.setattr(engine, "SEPARATE_DQ_MAX_ROWS", 0)
     check_case(case, torch.bfloat16)
 
