@@ -158,10 +158,12 @@ SHORT_MASKED_ROWS = 2048
 GLUON_THREE_CONSUMERS_MAX_HEADDIM = 64
 
 
-# The backward's counterpart, at head dims up to 64: the ``tl.*`` backward measured as fast or
-# faster than the Gluon one for masked calls below this (d = 64 causal, H200, forward +
-# backward: N = 2k 309 against 288 TFLOP/s, 4k 352 against 353; docs/tuning.md).
-SHORT_MASKED_BACKWARD_ROWS = 4096
+# The backward's counterpart, at head dims up to 64: the ``tl.*`` backward measured as fast as
+# the Gluon one for masked calls below this (d = 64 causal, forward + backward, H100, the Gluon
+# dK / dV kernel with the Gluon dQ pass (``separate_dq``) against ``tl.*``: N = 1k 246 against
+# 242 TFLOP/s, 2k 325 against 307; H200, with dQ from the workspace: 2k 288 against 309;
+# docs/tuning.md).
+SHORT_MASKED_BACKWARD_ROWS = 2048
 
 
 def short_masked(seqlen_q: int, window_left: int, window_right: int, rows: int = SHORT_MASKED_ROWS) -> bool:
@@ -244,13 +246,13 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
     measured 1.1-1.3x the ``tl.*`` backward's TFLOP/s on an H200 from N = 2k (bf16; 0.8-1.2x at
     N = 512 / 1k, where both are far below cuDNN); at head dims up to 64 (its 128-row query
     tiles there, ``attention_bwd.config_for``) 1.12-1.23x from N = 2k non-causal and from
-    N = 8k causal, but not for short masked calls (d = 64 causal, N = 2k: 288 against 309;
-    docs/tuning.md).
+    N = 8k causal, but not for masked calls below 2048 rows (``SHORT_MASKED_BACKWARD_ROWS``).
     Like flash-attn's, it adds dQ in no fixed order, so gradients are not bitwise
     reproducible; with ``deterministic=True`` it computes dK and dV alone (each program owns
     its keys) and the ``tl.*`` dQ kernel, whose programs own their rows, computes dQ (at
     d = 64, N = 4k / 16k: 1.03-1.14x the ``tl.*`` backward's deterministic calls; from d = 65 the
-    Gluon dQ pass computes it), as it does for short masked calls above d = 64 (``separate_dq``).
+    Gluon dQ pass computes it); short masked calls take dK and dV alone too, dQ from the Gluon
+    pass (``separate_dq``).
     Head dims 129-256 take ``attention_bwd_wide`` and the Gluon dQ pass.
     ``triton`` / ``gluon`` force one.
     """

@@ -11,12 +11,12 @@
 
 Like the forward, each pass walks its tiles in up to three runs (``query_tiles`` /
 ``key_tiles``) so that only the edge tiles pay for the mask.  On Hopper, where
-``engine.backward_engine`` picks it (at head dims up to 64 not for short masked calls), steps
-2 and 3 run as the Gluon kernel of ``flashtile/kernels/hopper/attention_bwd.py`` instead (dQ
-added into an fp32 workspace), or -- where ``engine.separate_dq`` says so: deterministic
-calls, short masked ones above head dim 64, head dims 129-256 -- step 2 alone as that kernel
-(``attention_bwd_wide.py`` above 128) and step 3 as here up to head dim 64, as the Gluon
-``attention_bwd_dq.py`` above (``engine.separate_dq_engine``).
+``engine.backward_engine`` picks it (at head dims up to 64 not for masked calls below 2048
+rows), steps 2 and 3 run as the Gluon kernel of ``flashtile/kernels/hopper/attention_bwd.py``
+instead (dQ added into an fp32 workspace), or -- where ``engine.separate_dq`` says so:
+deterministic calls, short masked ones, head dims 129-256 -- step 2 alone as that kernel
+(``attention_bwd_wide.py`` above 128) and step 3 as here for deterministic calls up to head
+dim 64, else as the Gluon ``attention_bwd_dq.py`` (``engine.separate_dq_engine``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ A ``deterministic=True`` call runs the kernel without dQ (``with_dq=False``,
 ``separate_dq_config``): the consumers compute dK and dV alone, never waiting for each
 other, and dQ comes from a separate pass whose programs own their rows
 (``engine.separate_dq_engine``), so no sum depends on the order in which programs finish.
-Short masked calls above head dim 64 run so too (``engine.separate_dq``): their dQ, written
+Short masked calls run so too (``engine.separate_dq``): their dQ, written
 directly, needs no fp32 workspace to clear and convert.
 
 ``delta = rowsum(dO * O)`` and the LSE in log2 units (``+inf`` for rows with no visible key, so
@@ -693,7 +693,7 @@ def config_for(head_dim_pad: int) -> HopperBwdConfig:
 
 def separate_dq_config(head_dim_pad: int) -> HopperBwdConfig:
     """The configuration of a backward whose dQ is a separate pass (``engine.separate_dq``:
-    ``deterministic=True``, short masked calls above d = 64): dK and dV only (every program
+    ``deterministic=True``, short masked calls): dK and dV only (every program
     owns its keys' rows, so they are reproducible bit for bit), dQ left to a pass whose
     programs own their rows too; the query tiles of ``config_for`` (128 rows up to d = 64: at
     d = 64, N = 4k / 16k, 1.17 / 1.11x the 64-row tiles non-causal, docs/tuning.md)."""

@@ -1,5 +1,5 @@
 """dQ of the Hopper backward in Gluon, for the calls whose dK / dV kernel computes none: head dims above 128,
-and from head dim 65 the deterministic and short masked calls (``engine.separate_dq``, ``separate_dq_engine``).
+short masked calls, and from head dim 65 deterministic ones (``engine.separate_dq``, ``separate_dq_engine``).
 
 ``attention_bwd`` adds each step's dQ share into an fp32 workspace from the kernel that owns
 a key tile; the wide-head kernel (``attention_bwd_wide``) has neither the registers nor the

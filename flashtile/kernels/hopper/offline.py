@@ -318,7 +318,7 @@ def variants():
         yield dict(kernel="backward_wide", hd=256, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    alternative=alternative)
     # The dQ pass of the wide-head backward wherever it runs, its alternatives, and its tiles
-    # at d <= 128 (``engine.separate_dq``'s calls from d = 65: ``engine.separate_dq_engine``).
+    # at d <= 128 (``engine.separate_dq``'s calls: ``engine.separate_dq_engine``).
     for (causal, window), varlen, dtype in itertools.product(((False, False), (True, False), (False, True)),
                                                              (False, True), ("bf16", "fp16")):
         yield dict(kernel="backward_dq", hd=256, causal=causal, window=window, varlen=varlen, dtype=dtype)
