@@ -245,6 +245,7 @@ _MAX_LAYOUTS = 64
 _MAX_INT_IDS = 4096
 _MAX_VARIANTS = 1024
 _data_ptr = torch.Tensor.data_ptr
+_on_gpu = attrgetter("is_cuda")  # a tensor whose address a direct launch may pass as an int
 _dtype = attrgetter("dtype")
 
 
@@ -402,18 +403,29 @@ class _Direct:
     with the leading arguments ``CudaLauncher`` passes (no launch metadata and no hooks, as
     every direct launch here) and the parameters ``head + tail`` flattened as
     ``wrap_handle_tensordesc`` flattens them: each descriptor position of ``head`` replaced by
-    its step's list."""
+    its step's list.
 
-    __slots__ = ("raw", "cooperative", "pdl", "steps", "tail")
+    With ``pointers`` (a bound launcher's :func:`_addressed_head`) the call also passes the
+    addresses of its tensors, and each plain tensor parameter of the head goes to the C
+    launcher as its address.  The launcher takes an int as the pointer itself; a tensor it asks for
+    ``data_ptr()`` and then asks the driver (``cuPointerGetAttribute``) for the device address
+    of that pointer, which for memory of a CUDA tensor is the same address (unified
+    addressing), and which rejects host memory.  The caller passes addresses only of CUDA
+    tensors, so the kernel gets the same parameters without a driver call per pointer."""
 
-    def __init__(self, raw, cooperative, pdl, steps, tail):
+    __slots__ = ("raw", "cooperative", "pdl", "steps", "tail", "pointers")
+
+    def __init__(self, raw, cooperative, pdl, steps, tail, pointers=None):
         self.raw, self.cooperative, self.pdl, self.steps, self.tail = raw, cooperative, pdl, steps, tail
+        self.pointers = pointers
 
-    def __call__(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, head):
+    def __call__(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, head, addresses=None):
         # The leading arguments, then the parameters: head's runs between descriptor positions,
         # each descriptor position's list, the tail.
         flat = [grid_0, grid_1, grid_2, stream, function, self.cooperative, self.pdl, None, None, packed_metadata,
                 None, None, None]
+        if addresses is not None:
+            head = self.pointers(head + addresses)
         start = 0
         for i, expand in self.steps:
             flat += head[start:i]
@@ -424,10 +436,20 @@ class _Direct:
         self.raw(*flat)
 
 
-def _direct(compiled, n_head: int, tail: tuple, templates: dict):
+def _addressed_head(n_head: int, tensor_positions: tuple, templates: dict):
+    """``pick(head + addresses)``: ``head`` with each plain tensor position holding its tensor's
+    address, for a bound launcher whose call passes the addresses of its head's tensor
+    positions first (``tensor_positions``, in order; a template's position keeps its tensor,
+    which the launch turns into a descriptor).  The tail's tensors stay tensors."""
+    source = {pos: n_head + j for j, pos in enumerate(tensor_positions) if pos not in templates}
+    return _getter([source.get(i, i) for i in range(n_head)])
+
+
+def _direct(compiled, n_head: int, tail: tuple, templates: dict, pointers=None):
     """The :class:`_Direct` launch of ``compiled`` for parameters ``head + tail`` (``head`` of
     ``n_head`` values; ``templates``: position in ``head`` -> the ``DescriptorTemplate`` whose
-    descriptor the call's tensor there stands for), or ``None``: ``compiled.run`` then.
+    descriptor the call's tensor there stands for; ``pointers``: a bound launcher's
+    :func:`_addressed_head`), or ``None``: ``compiled.run`` then.
 
     The descriptor positions are the launcher's own: a position of ``head`` that it flattens is
     flattened here (from its template, or by ``make_tensordesc_arg`` on whatever the call
@@ -448,7 +470,7 @@ def _direct(compiled, n_head: int, tail: tuple, templates: dict):
         if expand is None:
             return None
         steps.append((i, expand))
-    return _Direct(raw, cooperative, pdl, tuple(steps), tuple(tail))
+    return _Direct(raw, cooperative, pdl, tuple(steps), tuple(tail), pointers)
 
 
 def _key(cache, device, args, options, dynamic):
@@ -582,9 +604,9 @@ class BoundLaunch:
     """One kernel launched with one grid, one set of options and the same non-tensor
     arguments at every call but for the ``dynamic`` ints: see :func:`bind`."""
 
-    __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "descs", "desc_sample",
-                 "desc_fields", "layout_descs", "layouts", "statics", "static_values", "dynamic_of", "tail",
-                 "tail_tensors", "builds", "templates", "variants", "generation")
+    __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "tensor_positions", "descs",
+                 "desc_sample", "desc_fields", "layout_descs", "layouts", "statics", "static_values", "dynamic_of",
+                 "tail", "tail_tensors", "builds", "templates", "variants", "generation")
 
     def __init__(self, kernel, grid, options, args, dynamic, tail_from):
         n = len(args) if tail_from is None else tail_from
@@ -613,6 +635,7 @@ class BoundLaunch:
                    and i not in self.dynamic]
         descs = [i for i, a in enumerate(head) if a.__class__ in _DESCRIPTORS and i not in self.dynamic]
         self.tensors = _getter(tensors)
+        self.tensor_positions = tuple(tensors)
         # A descriptor position: the class, block shape and padding (and a Gluon descriptor's
         # shared layout) must be the sample's very objects at every call.
         self.descs = _getter(descs) if descs else None
@@ -661,9 +684,9 @@ class BoundLaunch:
                 # alone (the rest is the sample's); TMA needs the base 16-byte aligned.
                 tensors += tuple(map(_base, descs))
             tensors += self.tail_tensors
+            addresses = tuple(map(_data_ptr, tensors))
             # All 16-byte aligned (the usual case) is one class; otherwise each tensor's own.
-            aligned = True if not reduce(or_, map(_data_ptr, tensors), 0) & 15 else \
-                tuple(not p & 15 for p in map(_data_ptr, tensors))
+            aligned = True if not reduce(or_, addresses, 0) & 15 else tuple(not p & 15 for p in addresses)
             dtypes = tuple(map(_dtype, tensors))
         except (TypeError, AttributeError):  # not a tensor / descriptor where the binding call had one
             launch(self.kernel, self.grid, self.arguments(head), self.options, self.dynamic)
@@ -696,7 +719,9 @@ class BoundLaunch:
                     self.variants[key] = entry
                 else:
                     tail = self.tail + entry[1]
-                    self.variants[key] = (entry[0], tail, _direct(entry[0], self.n_head, tail, self.templates))
+                    pointers = _addressed_head(self.n_head, self.tensor_positions, self.templates)
+                    self.variants[key] = (entry[0], tail, _direct(entry[0], self.n_head, tail, self.templates,
+                                                                  pointers))
             return
         if entry is _FAILED or kernel.pre_run_hooks or not _hooks_idle():
             _ordinary(kernel, self.grid, self.arguments(head), self.options)
@@ -704,8 +729,11 @@ class BoundLaunch:
         compiled, tail, direct = entry
         try:
             if direct is not None:
-                # The templates' descriptors are flattened from the call's tensors directly.
-                direct(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, head)
+                # The templates' descriptors are flattened from the call's tensors directly, and
+                # the tensors go as their addresses where all are CUDA tensors (_Direct); a host
+                # tensor is left to the C launcher, which rejects it.
+                direct(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, head,
+                       addresses if all(map(_on_gpu, tensors)) else None)
             else:
                 built = head
                 if self.builds:

@@ -197,7 +197,7 @@ def attention_backward(
     offset: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The Gluon backward adds dQ in no fixed order; ``deterministic`` sends the call to the ordered ``tl.*`` kernels.
+    # The Gluon backward adds dQ in no fixed order; ``deterministic`` makes dQ a pass whose programs own their rows.
     params = AttentionParams(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, offset,
                              deterministic)
     return _backend(q).bwd(dout, q, k, v, out, lse, params, dlse=dlse)

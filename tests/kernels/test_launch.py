@@ -684,6 +684,36 @@ def test_a_bound_launch_flattens_template_and_descriptor_positions_as_triton(raw
         assert len(encodes) == 3 + 6 + 12
 
 
+@pytest.mark.parametrize("meta", [_meta((1, 4, 1, 8)), None])
+def test_a_bound_launch_passes_gpu_tensors_as_their_addresses(raw_toy, monkeypatch, meta):
+    """Where every tensor of the call is a CUDA tensor (stood in for here), each plain tensor
+    of the head reaches the C launcher as its address -- what Triton's launcher resolves it to
+    -- a template position as its descriptor, a tail tensor as itself; one host tensor among
+    them and the call passes the tensors as Triton's loop does."""
+    kernel, make, _, via_python = raw_toy
+    compiled = make([meta], signature={**_DESC_SIGNATURE, 2: "*fp32"})  # E a plain pointer: the tail's placeholder
+    template, placeholder = _template(), torch.zeros(8)
+    bound = launch_mod.bind(kernel, (2,), dict(BLOCK=16), (template, torch.zeros(8), placeholder, 40, 0.5),
+                            tail_from=2)
+    host = []
+    monkeypatch.setattr(launch_mod, "_on_gpu", lambda t: not any(t is h for h in host))
+    heads = [(_grid4(), torch.zeros(8)) for _ in range(3)]
+    for head in heads:
+        bound(head)
+    host.append(heads[-1][1])
+    bound(heads[-1])
+    assert not via_python
+    calls = compiled.raw.calls  # the first call was the ordinary launch
+    assert len(calls) == 3
+    for head, got in zip(heads[1:], calls):
+        want = _through_triton(compiled, (2, 1, 1), bound.arguments(head) + (16, False))
+        as_address = [a.data_ptr() if a is head[1] else a for a in want]
+        assert len(got) == len(want) and all(g is w or g == w for g, w in zip(got, as_address))
+        # Without TMA lowering a descriptor is passed as its base tensor (and its sizes).
+        assert [id(a) for a in got if isinstance(a, torch.Tensor)] == [id(head[0])] * (meta is None) + [id(placeholder)]
+    assert calls[2] == _through_triton(compiled, (2, 1, 1), bound.arguments(heads[-1]) + (16, False))
+
+
 def test_kept_maps_are_each_addresses_and_each_templates_own(raw_toy):
     """Self-attention passes one tensor at positions whose templates differ (another box), and
     bound launchers with other templates (another shape and strides) see the same addresses:
