@@ -25,7 +25,7 @@ from flashtile.bench.common import (environment, save_figure, save_records, shap
                                     subplots)
 from flashtile.bench.gpu import attention_flops, time_attention
 from flashtile.kernels import engine
-from flashtile.kernels.engine import SHORT_MASKED_BACKWARD_ROWS, backward_engine, short_masked
+from flashtile.kernels.engine import backward_engine, short_masked_backward
 
 
 def _fn(causal, deterministic):
@@ -101,8 +101,7 @@ def main():
         for det in (False, True):
             records.append({**rec, "impl": "flashtile_deterministic" if det else "flashtile", "ms": ms[det],
                             "tflops": flops / (ms[det] * 1e-3) / 1e12,
-                            "bwd_path": backward_engine(q, k, short=short_masked(n, -1, 0 if causal else -1,
-                                                                               SHORT_MASKED_BACKWARD_ROWS)),
+                            "bwd_path": backward_engine(q, k, short=short_masked_backward(n, -1, 0 if causal else -1)),
                             **env})
         line = (f"d={d} causal={int(causal)} N={n:5d} default {flops / ms[False] / 1e9:6.1f} "
                 f"({records[-2]['bwd_path']}), deterministic {flops / ms[True] / 1e9:6.1f} "

@@ -151,11 +151,11 @@ def _engine_field(impl, q, k, causal) -> dict:
     """``{"path": ..., "bwd_path": ...}`` for flashtile's records: which engine ("gluon" or
     "triton") the forward and the backward ran on."""
     if impl == "flashtile":
-        from flashtile.kernels.engine import SHORT_MASKED_BACKWARD_ROWS, backward_engine, forward_engine, short_masked
+        from flashtile.kernels.engine import backward_engine, forward_engine, short_masked, short_masked_backward
 
         n, right = q.shape[1], 0 if causal else -1
         return {"path": forward_engine(q, k, short=short_masked(n, -1, right)),
-                "bwd_path": backward_engine(q, k, short=short_masked(n, -1, right, SHORT_MASKED_BACKWARD_ROWS))}
+                "bwd_path": backward_engine(q, k, short=short_masked_backward(n, -1, right))}
     if impl == "flashtile_triton":
         return {"path": "triton", "bwd_path": "triton"}
     return {}

@@ -174,6 +174,12 @@ def short_masked(seqlen_q: int, window_left: int, window_right: int, rows: int =
     return is_masked(window_left, window_right) and seqlen_q < rows
 
 
+def short_masked_backward(seqlen_q: int, window_left: int, window_right: int) -> bool:
+    """:func:`short_masked` with the backward's ``SHORT_MASKED_BACKWARD_ROWS`` (read at the call,
+    so that tests and A/B benchmarks may change it): :func:`backward_engine`'s ``short``."""
+    return short_masked(seqlen_q, window_left, window_right, SHORT_MASKED_BACKWARD_ROWS)
+
+
 # An unmasked Gluon forward with fewer query rows than this runs two consumers too at head dims
 # up to 64: of the 192-row tiles of a head the last one is mostly empty there (d = 64, N = 512,
 # H200: 284 TFLOP/s with three consumers, 363 with two; at N = 1k 415 against 410).

@@ -34,8 +34,15 @@ def test_short_masked_calls_are_masked_ones_with_few_query_rows():
     assert not engine.short_masked(rows, -1, 0)
     assert not engine.short_masked(1, -1, -1)  # no mask
     backward_rows = engine.SHORT_MASKED_BACKWARD_ROWS
-    assert engine.short_masked(backward_rows - 1, -1, 0, backward_rows)
-    assert not engine.short_masked(backward_rows, -1, 0, backward_rows)
+    assert engine.short_masked_backward(backward_rows - 1, -1, 0)
+    assert not engine.short_masked_backward(backward_rows, -1, 0)
+    assert not engine.short_masked_backward(1, -1, -1)
+
+
+def test_short_masked_backward_reads_its_threshold_at_the_call(monkeypatch):
+    # The A/B benchmarks' engine:SHORT_MASKED_BACKWARD_ROWS=... variants set the module's value.
+    monkeypatch.setattr(engine, "SHORT_MASKED_BACKWARD_ROWS", 0)
+    assert not engine.short_masked_backward(1, -1, 0)
 
 
 def test_reasons_cover_what_the_gluon_forward_lacks():

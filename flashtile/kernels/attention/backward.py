@@ -30,8 +30,8 @@ import triton.language as tl
 
 from flashtile.kernels.attention.layout import Layout, dropout_args, max_seqlens, store_tile, unpad
 from flashtile.kernels.dropout import dropout_scale
-from flashtile.kernels.engine import (SHORT_MASKED_BACKWARD_ROWS, backward_engine, engine_setting, separate_dq,
-                                      separate_dq_engine, short_masked)
+from flashtile.kernels.engine import (backward_engine, engine_setting, separate_dq, separate_dq_engine,
+                                      short_masked_backward)
 from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import key_tiles, query_tiles
 from flashtile.kernels.online_softmax import LOG2E, alibi_slope_log2, recompute_p, score_mod_args, softcap_grad
@@ -366,8 +366,8 @@ def _backward(layout, dout, q, k, v, out, lse, params: AttentionParams, dlse, co
     # Every launch through the launch layer: after the first call of a class, directly.
     launch(*_preprocess_launch(layout, out, dout, lse, dlse, delta, lse2, d))
     if configs is None and backward_engine(q, k, params.dropout, params.softcap, params.alibi_slopes,
-                                           short_masked(layout.seqlen_q, params.window_left, params.window_right,
-                                                        SHORT_MASKED_BACKWARD_ROWS)) == "gluon":
+                                           short_masked_backward(layout.seqlen_q, params.window_left,
+                                                                 params.window_right)) == "gluon":
         from flashtile.kernels.hopper import attention_bwd
 
         split = separate_dq(hd, params.deterministic, layout.seqlen_q, params.window_left, params.window_right)
@@ -420,8 +420,8 @@ _gluon_modules = None  # (engine, attention_bwd_wide, attention_bwd_dq), once th
 
 def _config_functions() -> tuple:
     """The functions that pick the tiles, the head dim from which a separate dQ pass is the
-    Gluon one and the rows below which a masked call takes that pass (tests and A/B benchmarks
-    replace them): part of the key."""
+    Gluon one, the rows below which a masked call takes that pass and those below which it
+    stays on ``tl.*`` at small head dims (tests and A/B benchmarks replace them): part of the key."""
     global _gluon_modules
     hopper = sys.modules.get("flashtile.kernels.hopper.attention_bwd")
     if hopper is None:
@@ -433,7 +433,7 @@ def _config_functions() -> tuple:
         _gluon_modules = engine, attention_bwd_wide, attention_bwd_dq
     engine, wide, dq = _gluon_modules
     return (bwd_config, hopper.config_for, hopper.separate_dq_config, wide.config_for, dq.config_for,
-            engine.GLUON_DQ_MIN_HEADDIM, engine.SEPARATE_DQ_MAX_ROWS)
+            engine.GLUON_DQ_MIN_HEADDIM, engine.SEPARATE_DQ_MAX_ROWS, engine.SHORT_MASKED_BACKWARD_ROWS)
 
 
 
@@ -486,7 +486,7 @@ def _dense_plan(dout, q, k, v, out, lse, params: AttentionParams):
                                                          lse, params, cfg_q)
     dq = bind(dq_kernel, dq_grid, dq_options, _templates(dq_args, 5), tail_from=12)
     stride_ab = dq_args[9]
-    short = short_masked(q.shape[1], params.window_left, params.window_right, SHORT_MASKED_BACKWARD_ROWS)
+    short = short_masked_backward(q.shape[1], params.window_left, params.window_right)
     gluon = backward_engine(q, k, None, params.softcap, None, short) == "gluon"
     finish = None  # dQ from what ``gradients`` returns for it, where that is a workspace
     if gluon:
