@@ -69,10 +69,10 @@ GLUON_DQ_MIN_HEADDIM = 65
 
 
 # A masked call of fewer query rows than this runs the Gluon backward as a deterministic call
-# does: dK / dV without dQ, then the Gluon dQ pass writing dQ
-# directly -- no fp32 workspace to clear, add into and convert, a fixed cost a short call feels
-# (d = 128 causal, forward + backward: H200 N = 1k 346 TFLOP/s against 313 with the workspace,
-# N = 4k 485 against 501; H100 N = 2k 426 against 360; docs/tuning.md).
+# does: dK / dV without dQ, then the Gluon dQ pass writing dQ directly -- no fp32 workspace to
+# clear, add into and convert, a fixed cost a short call feels (d = 128 causal, forward +
+# backward: H200 N = 1k 346 TFLOP/s against 313 with the workspace, N = 4k 485 against 501;
+# H100 N = 2k 426 against 360; docs/tuning.md).
 SEPARATE_DQ_MAX_ROWS = 4096
 
 

@@ -53,8 +53,8 @@ A ``deterministic=True`` call runs the kernel without dQ (``with_dq=False``,
 ``separate_dq_config``): the consumers compute dK and dV alone, never waiting for each
 other, and dQ comes from a separate pass whose programs own their rows
 (``engine.separate_dq_engine``), so no sum depends on the order in which programs finish.
-Short masked calls run so too (``engine.separate_dq``): their dQ, written
-directly, needs no fp32 workspace to clear and convert.
+Short masked calls run so too (``engine.separate_dq``): their dQ, written directly, needs no
+fp32 workspace to clear and convert.
 
 ``delta = rowsum(dO * O)`` and the LSE in log2 units (``+inf`` for rows with no visible key, so
 their probabilities are exactly 0) come from the ``tl.*`` preprocess kernel, and the dQ
@@ -684,8 +684,9 @@ def config_for(head_dim_pad: int) -> HopperBwdConfig:
     128-row query tiles up to d = 64 (each consumer's score tiles 64 keys x 128 queries: half
     the steps, each with twice the GEMM work per barrier and exchange) and the writer warp
     issuing the add above d = 64 (with it against without: 0.99-1.05x at d = 128, 0.92-0.95x
-    at d = 64 causal); above d = 64 dK's GEMM issued early and a step's dQ share published
-    at its end (H100, d = 128: 0.99-1.06x non-causal, 1.00-1.20x causal; at d = 64 neutral)."""
+    at d = 64 causal); above d = 64 dK's GEMM issued before the dS store and a step's dQ share
+    handed on after the next step's first GEMMs (H100, d = 128: 0.99-1.06x non-causal,
+    1.00-1.20x causal; at d = 64 within noise)."""
     small = head_dim_pad <= 64
     return HopperBwdConfig(dq_tma=True, dq_lag=True, dq_writer=not small, block_m=128 if small else 64,
                            dk_early=not small, dq_publish_late=not small)
