@@ -63,6 +63,10 @@ class HopperFp8Config(RegisterBudget):
     # The online-softmax update in a block of its own (``attention_fwd.softmax_step``), so that
     # it runs while the previous tile's P V GEMM does.
     softmax_under_pv: bool = False
+    # P carried from its softmax to the next step's P V GEMM as fp16, cast to e4m3 at the GEMM:
+    # Triton 3.6 carries an e4m3 tensor across the loop as single bytes and packs them into
+    # the operand's registers byte by byte, where fp16 pairs stay packed (docs/tuning.md).
+    p_fp16: bool = False
 
     @property
     def block_m(self) -> int:
@@ -86,7 +90,7 @@ def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
 # in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
-ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=1", "softmax_under_pv=1")
+ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=1", "softmax_under_pv=1", "p_fp16=1")
 
 
 def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
@@ -141,10 +145,18 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
         work_schedule(batch * nheads, nheads // nheads_k, seqlen_q, seqlen_k, 2 * d, cfg.block_m, cfg.block_n, -1,
                       0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
         lse, 0, 0.0, 0.0,  # no ALiBi, no softcap
+        **kernel_constexprs(cfg, hd, causal, max_offset),
+    )
+    return out, lse
+
+
+def kernel_constexprs(cfg: HopperFp8Config, hd: int, causal: bool, max_offset: bool = True) -> dict:
+    """The FP8 form's constexprs and launch options for ``cfg``: what :func:`forward` launches
+    and the offline compile check (``offline.compile_fp8``) compiles with."""
+    return dict(
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=1, MASK_LEFT=False,
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
-        KEY_ORDER=cfg.key_order, HAS_SOFTCAP=False, HAS_ALIBI=False, SOFTMAX_OWN_BLOCK=cfg.softmax_under_pv,
-        num_warps=4, maxnreg=cfg.maxnreg,
+        KEY_ORDER=cfg.key_order, P_FP16=cfg.p_fp16, HAS_SOFTCAP=False, HAS_ALIBI=False,
+        SOFTMAX_OWN_BLOCK=cfg.softmax_under_pv, num_warps=4, maxnreg=cfg.maxnreg,
     )
-    return out, lse

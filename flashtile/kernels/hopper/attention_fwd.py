@@ -170,11 +170,13 @@ def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def p_operand(p, p_layout: gl.constexpr, P_DTYPE: gl.constexpr, KEY_ORDER: gl.constexpr):
-    """The probabilities as the A operand of the P V wgmma (``P_DTYPE``: 16-bit, or e4m3 with
-    FP8), with FP8's keys relabelled in the operand's order (``KEY_ORDER``)."""
+    """The probabilities in the layout of the P V wgmma's A operand, as ``P_DTYPE`` (16-bit, or
+    with FP8 e4m3 or fp16), with FP8's keys relabelled in the operand's order (``KEY_ORDER``)."""
     if KEY_ORDER:
-        return key_ordered_operand(p, p_layout)
-    return gl.convert_layout(p.to(P_DTYPE), p_layout)
+        operand = key_ordered_operand(p, p_layout, P_DTYPE)
+    else:
+        operand = gl.convert_layout(p.to(P_DTYPE), p_layout)
+    return operand
 
 
 @gluon.jit
@@ -269,17 +271,22 @@ def pass_tiles(first, end, my_turn, their_turn, k_ready, k_empty, v_ready, v_emp
 def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             FP8: gl.constexpr):
     """Issue ``P V`` for one key tile: accumulated onto ``acc`` (16-bit), or into a fresh
-    accumulator that the caller adds in fp32 (FP8, V stored K-major)."""
+    accumulator that the caller adds in fp32 (FP8, V stored K-major; ``p`` e4m3 or fp16, cast
+    here)."""
     if FP8:
         v = v_buf.reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
-        return warpgroup_mma(p, v, gl.zeros(acc.shape, gl.float32, layout=o_layout), use_acc=False, is_async=True)
-    return warpgroup_mma(p, v_buf.reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        pv = warpgroup_mma(p.to(gl.float8e4nv), v, gl.zeros(acc.shape, gl.float32, layout=o_layout), use_acc=False,
+                           is_async=True)
+    else:
+        pv = warpgroup_mma(p, v_buf.reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    return pv
 
 
 @gluon.jit
 def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
-              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, SOFTMAX_OWN_BLOCK: gl.constexpr):
+              P_FP16: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+              SOFTMAX_OWN_BLOCK: gl.constexpr):
     """Rows ``[64 * INDEX, 64 * INDEX + 64)`` of each query tile: the pipelined online-softmax loop.
 
     ``args`` are the kernel's buffers, barriers and runtime arguments, the same for every
@@ -315,7 +322,9 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     dtype: gl.constexpr = q_bufs.dtype
     # The K step of one wgmma: 32 one-byte elements, 16 two-byte ones.
     K_STEP: gl.constexpr = 32 if FP8 else 16
-    p_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
+    # P as the loop carries it from its softmax to the next step's P V GEMM: FP8's e4m3, or with
+    # P_FP16 fp16, cast to e4m3 at the GEMM (``_pv_mma``).
+    p_dtype: gl.constexpr = (gl.float16 if P_FP16 else gl.float8e4nv) if FP8 else dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -462,8 +471,8 @@ def attention_fwd_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
-    OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    SOFTMAX_OWN_BLOCK: gl.constexpr,
+    OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, P_FP16: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, SOFTMAX_OWN_BLOCK: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -508,20 +517,20 @@ def attention_fwd_kernel(
     # the producer are workers.
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
-            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
-            (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+            (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
-            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, HAS_SOFTCAP,
-                         HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+            (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+            (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -631,7 +640,7 @@ def kernel_constexprs(cfg: HopperConfig, hd: int, window_left: int, window_right
         HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, Q_BUFFERS=cfg.q_buffers,
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0, KEY_ORDER=False,
-        HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, SOFTMAX_OWN_BLOCK=cfg.softmax_own_block,
+        P_FP16=False, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, SOFTMAX_OWN_BLOCK=cfg.softmax_own_block,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
 

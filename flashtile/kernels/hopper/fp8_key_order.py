@@ -25,14 +25,15 @@ KEY_ORDER_DIMS: gl.constexpr = gl.constexpr((0, 1) + tuple(2 + i for i in KEY_BI
 
 
 @gluon.jit
-def key_ordered_operand(p, p_layout: gl.constexpr):
-    """FP8 P (fp32, the score tile's wgmma layout) as the e4m3 A operand (``p_layout``) of its
-    P V wgmma, keys in the relabelled order; V must be in it too (``wgmma_key_order``)."""
+def key_ordered_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr = gl.float8e4nv):
+    """FP8 P (fp32, the score tile's wgmma layout) in the layout of the e4m3 A operand
+    (``p_layout``) of its P V wgmma, as ``dtype``, keys in the relabelled order; V must be in it
+    too (``wgmma_key_order``)."""
     ROWS: gl.constexpr = p.shape[0]
     KEYS: gl.constexpr = p.shape[1]
     D: gl.constexpr = KEY_ORDER_DIMS
     x = p.reshape([ROWS, KEYS // 16, 2, 2, 2, 2]).permute(D[0], D[1], D[2], D[3], D[4], D[5])
-    return gl.convert_layout(x.reshape([ROWS, KEYS]), p_layout, assert_trivial=True).to(gl.float8e4nv)
+    return gl.convert_layout(x.reshape([ROWS, KEYS]), p_layout, assert_trivial=True).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -203,13 +203,9 @@ def compile_fp8(hd: int, causal: bool = False, config: fp8.HopperFp8Config | Non
            "V_desc": _desc("fp8e4nv", 0, 0, [1, 1, hd, cfg.block_n]), "O": "*bf16", "LSE": "*fp32",
            "CU_Q": "*fp32", "CU_K": "*fp32", "DESCALES": "*fp32", "ALIBI": "*fp32", "qk_scale": "fp32",
            "softcap_scale": "fp32", "softcap_log2": "fp32", **{name: "i32" for name in ints}}
-    consts = {"HEAD_DIM": hd, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
-              "Q_BUFFERS": 1, "MASK_LEFT": False, "MASK_RIGHT": causal, "VARLEN": False,
-              "PINGPONG": cfg.pingpong, "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
-              "FP8": True,
-              "OFFSET": fp8.MAX_OFFSET, "KEY_ORDER": cfg.key_order, "HAS_SOFTCAP": False, "HAS_ALIBI": False,
-              "SOFTMAX_OWN_BLOCK": cfg.softmax_under_pv}
-    return _compile(fn, sig, consts, _FORWARD_ALIGNED, {"num_warps": 4, "maxnreg": cfg.maxnreg})
+    consts = fp8.kernel_constexprs(cfg, hd, causal)
+    compile_options = {name: consts.pop(name) for name in ("num_warps", "maxnreg")}
+    return _compile(fn, sig, consts, _FORWARD_ALIGNED, compile_options)
 
 
 def compile_softmax(direction: str, dtype: str = "bf16", log: bool = False, chunk_boxes: int = 6, buffers: int = 2):
