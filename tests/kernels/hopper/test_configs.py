@@ -150,7 +150,7 @@ def test_dq_pass_fits_shared_memory_and_registers():
                                            False)
 
 
-def test_separate_dq_pass_is_gluon_above_head_dim_64():
+def test_deterministic_dq_pass_is_gluon_above_head_dim_64():
     from flashtile.kernels.engine import separate_dq_engine
 
     assert [separate_dq_engine(d) for d in (64, 128, 256)] == ["triton", "gluon", "gluon"]
