@@ -44,6 +44,9 @@ CASES = [(64, 600, 32, False, False), (64, 700, 24, True, False), (64, 700, 24, 
 CASES += [("bwd", 128, 300, 4, True, spec, False) for spec in attention_bwd.ALTERNATIVES]
 # The late hand-over of the staged dQ share without the writer warp (d = 64: the consumer issues the TMA's add).
 CASES += [("bwd", 64, 300, 4, True, "dk_early=1+dq_publish_late=1", False)]
+# dK / dV without dQ at d = 64 (128-row query tiles, ``separate_dq_config``): deterministic and
+# short masked calls take it.
+CASES += [("bwd", 64, 300, 4, True, "", True)]
 CASES += [(64, 700, 24, True, False, -1, True), (128, 500, 24, False, False, -1, True)]
 # More key tiles (and query tiles) than SMs, so that the persistent programs hand over between
 # items: 3 tiles a head x 48 heads.
