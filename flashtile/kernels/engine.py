@@ -282,9 +282,9 @@ GLUON_FP8_MAX_HEADDIM = 128
 def fp8_forward_engine(q: torch.Tensor) -> str:
     """``"gluon"`` or ``"triton"`` for ``flash_attn_fp8_func`` on ``q``'s device (e4m3 inputs).
 
-    ``auto`` keeps the ``tl.*`` FP8 kernel: the Gluon one measured slower on an H200 (d = 64,
-    N = 16k: 312-347 against 522-541 TFLOP/s; docs/tuning.md).  ``gluon`` forces it where it
-    can run the call.
+    ``auto`` keeps the ``tl.*`` FP8 kernel: the Gluon one measured slower in every cell of
+    one H100 run (d = 64 / 128, N = 16k, non-causal: 484 / 743 against 583 / 837 TFLOP/s;
+    docs/tuning.md).  ``gluon`` forces it where it can run the call.
     """
     if requested_engine() != "gluon":
         return "triton"

@@ -50,9 +50,9 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 #   (24 bytes dense, 40-56 masked or packed; none with the one-row constants);
 # * its dQ pass (``attention_bwd_dq``): a few words of the persistent item loop beside the dQ
 #   accumulator (d = 256: 0-12 bytes, 16 with a two-slot K ring; d = 128 causal 20);
-# * the FP8 forward, d = 128: the output, the tile's P V accumulator and the scores leave a few
-#   words in local memory (0-8 bytes by default, 36 in the ``key_order=0`` and
-#   ``softmax_under_pv=1`` alternatives).
+# * the FP8 forward: the output, the tile's P V accumulator and the scores leave a few words in
+#   local memory (0-16 bytes by default, 20 in the ``key_order=0`` alternative and 36 in
+#   ``softmax_under_pv=1+p_fp16=0``, at d = 128).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
                       ("backward", 64): 776, ("backward", 128): 704, ("backward_wide", 256): 64,
                       ("backward_dq", 64): 32, ("backward_dq", 128): 32, ("backward_dq", 256): 32,
