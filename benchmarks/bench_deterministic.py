@@ -108,7 +108,7 @@ def main():
                 f"({records[-1]['bwd_path']}) TFLOP/s, ratio {ms[False] / ms[True]:.3f}")
         if records[-1]["bwd_path"] == "gluon":
             # The other dQ kernel: the threshold moved to either side of this head dim.
-            other = "triton" if engine.separate_dq_engine(q.shape[-1]) == "gluon" else "gluon"
+            other = "triton" if engine.separate_dq_engine(q.shape[-1], True) == "gluon" else "gluon"
             saved = engine.GLUON_DQ_MIN_HEADDIM
             engine.GLUON_DQ_MIN_HEADDIM = 0 if other == "gluon" else q.shape[-1] + 1
             try:

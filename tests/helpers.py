@@ -104,6 +104,10 @@ def reference_attention(
     return out, lse
 
 
+# The score tensor's size above which reference_attention_grads splits the heads.
+REFERENCE_CHUNK_BYTES = 2**30
+
+
 def reference_attention_grads(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,10 +143,6 @@ def reference_attention_grads(
                                                 alibi_slopes=chunk_slopes, **kwargs))
     out, lse, dq, dk, dv = zip(*parts)
     return torch.cat(out, 2), torch.cat(lse, 1), torch.cat(dq, 2), torch.cat(dk, 2), torch.cat(dv, 2)
-
-
-# The score tensor's size above which reference_attention_grads splits the heads.
-REFERENCE_CHUNK_BYTES = 2**30
 
 
 def _reference_attention_grads(q, k, v, dout, dlse, upcast, **kwargs):

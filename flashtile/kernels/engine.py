@@ -85,9 +85,9 @@ def separate_dq(head_dim_pad: int, deterministic: bool, seqlen_q: int, window_le
             or short_masked(seqlen_q, window_left, window_right, SEPARATE_DQ_MAX_ROWS))
 
 
-def separate_dq_engine(head_dim_pad: int, deterministic: bool = True) -> str:
-    """``"gluon"`` or ``"triton"``: the kernel of a Gluon backward's separate dQ pass
-    (``GLUON_DQ_MIN_HEADDIM``)."""
+def separate_dq_engine(head_dim_pad: int, deterministic: bool) -> str:
+    """``"gluon"`` or ``"triton"``: the kernel of a Gluon backward's separate dQ pass -- the
+    ``tl.*`` one only for deterministic calls below ``GLUON_DQ_MIN_HEADDIM``."""
     return "gluon" if head_dim_pad >= GLUON_DQ_MIN_HEADDIM or not deterministic else "triton"
 
 

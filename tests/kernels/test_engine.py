@@ -175,7 +175,7 @@ def test_separate_dq_pass_is_gluon_but_for_deterministic_calls_up_to_head_dim_64
     below, at = engine.GLUON_DQ_MIN_HEADDIM - 1, engine.GLUON_DQ_MIN_HEADDIM
     assert engine.separate_dq_engine(below, deterministic=True) == "triton"
     assert engine.separate_dq_engine(below, deterministic=False) == "gluon"
-    assert engine.separate_dq_engine(at, deterministic=True) == engine.separate_dq_engine(256) == "gluon"
+    assert engine.separate_dq_engine(at, deterministic=True) == engine.separate_dq_engine(256, True) == "gluon"
 
 
 def test_two_consumer_calls_are_short_masked_or_few_unmasked_rows():

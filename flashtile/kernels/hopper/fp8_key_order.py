@@ -25,10 +25,10 @@ KEY_ORDER_DIMS: gl.constexpr = gl.constexpr((0, 1) + tuple(2 + i for i in KEY_BI
 
 
 @gluon.jit
-def key_ordered_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr = gl.float8e4nv):
+def key_ordered_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr):
     """FP8 P (fp32, the score tile's wgmma layout) in the layout of the e4m3 A operand
-    (``p_layout``) of its P V wgmma, as ``dtype``, keys in the relabelled order; V must be in it
-    too (``wgmma_key_order``)."""
+    (``p_layout``) of its P V wgmma, as ``dtype`` (e4m3, or fp16 cast to e4m3 at the wgmma),
+    keys in the relabelled order; V must be in it too (``wgmma_key_order``)."""
     ROWS: gl.constexpr = p.shape[0]
     KEYS: gl.constexpr = p.shape[1]
     D: gl.constexpr = KEY_ORDER_DIMS

@@ -153,7 +153,7 @@ def test_dq_pass_fits_shared_memory_and_registers():
 def test_deterministic_dq_pass_is_gluon_above_head_dim_64():
     from flashtile.kernels.engine import separate_dq_engine
 
-    assert [separate_dq_engine(d) for d in (64, 128, 256)] == ["triton", "gluon", "gluon"]
+    assert [separate_dq_engine(d, True) for d in (64, 128, 256)] == ["triton", "gluon", "gluon"]
     assert not attention_bwd.returns_dq_workspace(256, False) and not attention_bwd.returns_dq_workspace(128, True)
     assert attention_bwd.returns_dq_workspace(128, False)
 
