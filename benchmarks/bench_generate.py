@@ -5,14 +5,14 @@ d = 128, bf16) generates ``--new-tokens`` tokens greedily after a ``--prompt``-t
 with ``attn_implementation="flashtile"`` (``flashtile``; on Hopper also ``flashtile_gluon``,
 under ``FLASHTILE_ENGINE=gluon``: every attention call on the Gluon forward, decoding steps
 included, where ``auto`` runs those on the split-KV decode kernel) and with ``"sdpa"``, in one
-process.  Each
-generation is timed on the host with a synchronisation at both ends (the eager
-``generate()`` loop a user runs: prefill, then one forward per token through transformers'
-dynamic KV cache), best of ``--repeats`` after a short warm-up generation.
-``tokens_as_sdpa`` counts the leading generated tokens equal to SDPA's (bf16 rounding may
-flip a near-tie of the random model's logits, after which the sequences differ; the exact
-token-for-token check against eager attention is in tests/integrations).  Records (``bench = "generate"``) go to ``--out``/generate.jsonl
-with a plot beside it::
+process.  Each generation is timed on the host with a synchronisation at both ends (the
+eager ``generate()`` loop a user runs: prefill, then one forward per token through
+transformers' dynamic KV cache), best of ``--repeats``, the implementations in turns, after
+a warm-up generation of a few tokens from the same prompt.  ``tokens_as_sdpa`` counts the
+leading generated tokens equal to SDPA's (bf16 rounding may flip a near-tie of the random
+model's logits, after which the sequences differ; the exact token-for-token check against
+eager attention is in tests/integrations).  Records (``bench = "generate"``) go to
+``--out``/generate.jsonl with a plot beside it::
 
     python benchmarks/bench_generate.py [--prompt 4096] [--new-tokens 256] [--out DIR]
 """
@@ -64,21 +64,21 @@ def timed_generate(model, ids, new_tokens: int):
 
 def run(prompt: int, new_tokens: int, repeats: int) -> list[dict]:
     ids = torch.randint(1, 32000, (1, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    results = {}
-    for impl in IMPLS:
-        if impl == "flashtile_gluon" and torch.cuda.get_device_capability() != (9, 0):
-            continue  # the Gluon engine runs on Hopper only
-        model = model_for(impl)
+    impls = [impl for impl in IMPLS
+             if impl != "flashtile_gluon" or torch.cuda.get_device_capability() == (9, 0)]  # Gluon: Hopper only
+    models = {impl: model_for(impl) for impl in impls}
+    for impl in impls:  # compile the kernels at the prompt's shapes, warm the allocator
         with engine_for(impl):
-            timed_generate(model, ids[:, :128], 8)  # compile the kernels, warm the allocator
-            best, tokens = float("inf"), None
-            for _ in range(repeats):
-                tokens, ms = timed_generate(model, ids, new_tokens)
-                best = min(best, ms)
-        results[impl] = (tokens, best)
-        del model
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+            timed_generate(models[impl], ids, 8)
+    results = {impl: (None, float("inf")) for impl in impls}
+    # In turns: the loop is bound by the host's Python, whose speed drifts by several percent
+    # over a minute, so each implementation's best is taken across the same stretch of time.
+    for _ in range(repeats):
+        for impl in impls:
+            with engine_for(impl):
+                tokens, ms = timed_generate(models[impl], ids, new_tokens)
+            if ms < results[impl][1]:
+                results[impl] = (tokens, ms)
     env = environment(DEVICE)
     reference = results["sdpa"][0]
     records = []
@@ -98,7 +98,8 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 def plot(records, path):
     fig, ax = subplots(figsize=(5, 3.5))
     colors = {"flashtile": "C0", "flashtile_gluon": "C2", "sdpa": "C1"}
-    ax.bar([r["impl"] for r in records], [r["tokens_per_s"] for r in records], color=[colors[r["impl"]] for r in records])
+    ax.bar([r["impl"] for r in records], [r["tokens_per_s"] for r in records],
+           color=[colors[r["impl"]] for r in records])
     for i, r in enumerate(records):
         ax.text(i, r["tokens_per_s"], f"{r['tokens_per_s']:.0f}", ha="center", va="bottom")
     ax.set_ylabel("generated tokens / s (whole generate())")
@@ -118,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="results folder (committed: benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -21,13 +21,12 @@ FP8_DTYPE = validation.FP8_DTYPE
 # so the group uses the format's whole range, and no finite input can overflow to NaN.
 E4M3_MAX = 448.0
 # Where flash-attn-layout V gets its keys-contiguous layout (docs/fp8.md, "V layout").  A host
-# transpose costs two passes of V through HBM, once per call; the kernel's own transpose costs
-# shared-memory traffic each time a query tile reads a V tile, i.e. seqlen_q / BLOCK_M * group
-# times.  The host pass is a share ~ F / (2 * BW * group * seqlen_q) of the attention (F the
-# FP8 attention rate, BW the copy bandwidth), the in-kernel one a fixed share per tile: the
-# host pays off once seqlen_q * group is large.  Crossover estimated, to be set from
-# benchmarks/bench_fp8.py (fp8_pretransposed + v_transpose against fp8_v_in_kernel).
-HOST_TRANSPOSE_MIN_ROWS = 2048
+# transpose costs two passes of V through HBM and a launch, once per call; the kernel's own
+# transpose costs shared-memory traffic each time a query tile reads a V tile, i.e.
+# seqlen_q * group / BLOCK_M times (BLOCK_M = 128 there).  Measured (benchmarks/bench_fp8.py,
+# H100, seqlen_q = 1k, d = 64 / 128 / 256): the in-kernel form at 0.34-0.54x of the host form,
+# transpose included; one query tile per KV head is where the two do the same V traffic.
+HOST_TRANSPOSE_MIN_ROWS = 128
 
 
 @on_input_device

@@ -282,9 +282,10 @@ GLUON_FP8_MAX_HEADDIM = 128
 def fp8_forward_engine(q: torch.Tensor) -> str:
     """``"gluon"`` or ``"triton"`` for ``flash_attn_fp8_func`` on ``q``'s device (e4m3 inputs).
 
-    ``auto`` keeps the ``tl.*`` FP8 kernel: the Gluon one measured slower in every cell of
-    one H100 run (d = 64 / 128, N = 16k, non-causal: 484 / 743 against 583 / 837 TFLOP/s;
-    docs/tuning.md).  ``gluon`` forces it where it can run the call.
+    ``auto`` keeps the ``tl.*`` FP8 kernel: the Gluon one is slower at d = 64 in every run
+    (H100, N = 16k, non-causal: 490 against 561 TFLOP/s), and at d = 128 the two swapped places
+    between neighbouring runs (768 against 841, then 811 against 783; docs/tuning.md).
+    ``gluon`` forces it where it can run the call.
     """
     if requested_engine() != "gluon":
         return "triton"
