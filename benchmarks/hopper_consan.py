@@ -8,7 +8,8 @@ the backward cases (``bwd``) run the Gluon backward (the Q/dO ring, the shared d
 writer's staging tiles at d = 128), in its default configuration and in each of
 ``attention_bwd.ALTERNATIVES``; at d = 256 the wide-head dK / dV kernel and the dQ pass
 (``attention_bwd_dq``: its Q / dO buffers and K and V rings of their own depths), in the
-defaults and each of the two kernels' ``ALTERNATIVES`` (specs ``dq:<spec>``, ``wide:<spec>``)::
+defaults and each of the two kernels' ``ALTERNATIVES`` (specs ``dq:<spec>``, ``wide:<spec>``);
+the FP8 forward (``fp8``) in its defaults and each of ``attention_fp8.ALTERNATIVES``::
 
     TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
 
@@ -23,7 +24,8 @@ import triton
 
 from flashtile.kernels import attention as ka
 from flashtile.kernels import engine
-from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide, configured
+from flashtile.fp8 import quantize_fp8, transpose_v
+from flashtile.kernels.hopper import attention_bwd, attention_bwd_dq, attention_bwd_wide, attention_fp8, configured
 from flashtile.kernels.hopper import attention_fwd as hopper
 from flashtile.kernels.tma import padded_headdim
 
@@ -54,6 +56,12 @@ CASES += [("bwd", 128, 300, 48, causal, "persistent=1", False) for causal in (Fa
 CASES += [("bwd", 256, 300, 48, causal, "", False) for causal in (False, True)]
 CASES += [("bwd", 256, 300, 48, True, "dq:" + spec, False) for spec in attention_bwd_dq.ALTERNATIVES]
 CASES += [("bwd", 256, 300, 48, True, "wide:" + spec, False) for spec in attention_bwd_wide.ALTERNATIVES]
+# FP8 forward cases: ("fp8", d, n, heads, causal, configuration spec: "" or one of
+# attention_fp8.ALTERNATIVES -- non-causal, where they differ from the default -- or 128-key tiles
+# for causal d = 128).
+CASES += [("fp8", 128, 700, 24, causal, "") for causal in (False, True)] + [("fp8", 64, 600, 32, True, "")]
+CASES += [("fp8", 128, 700, 24, False, spec) for spec in attention_fp8.ALTERNATIVES]
+CASES += [("fp8", 128, 700, 24, True, "block_n=128")]
 # The short causal cases at d = 128 keep the dQ workspace (engine.separate_dq would give them the
 # separate dQ pass, whose kernels the deterministic case runs), so the configurations are exercised.
 engine.SEPARATE_DQ_MAX_ROWS = 0
@@ -79,6 +87,15 @@ for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
         print(f"consan backward d={d} n={n} heads={heads} causal={causal} config={spec or 'default'} "
               f"deterministic={deterministic}: ok, "
               f"finite={all(bool(g.isfinite().all()) for g in grads)}", flush=True)
+        continue
+    if CASES[case][0] == "fp8":
+        _, d, n, heads, causal, spec = CASES[case]
+        (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(torch.randn(1, n, heads, d, device="cuda")) for _ in range(3))
+        cfg = attention_fp8.config_from_spec(attention_fp8.padded_headdim(d), causal, spec)
+        out, _ = attention_fp8.forward(q8, k8, transpose_v(v8), qd, kd, vd, d ** -0.5, causal=causal, config=cfg)
+        torch.cuda.synchronize()
+        print(f"consan fp8 d={d} n={n} heads={heads} causal={causal} config={spec or 'default'}: ok, "
+              f"finite={bool(out.isfinite().all())}", flush=True)
         continue
     d, n, heads, causal, varlen, left, mods = (CASES[case] + (-1, False))[:7]
     q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
