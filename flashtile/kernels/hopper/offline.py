@@ -51,8 +51,7 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # * its dQ pass (``attention_bwd_dq``): a few words of the persistent item loop beside the dQ
 #   accumulator (d = 256: 0-12 bytes, 16 with a two-slot K ring; d = 128 causal 20);
 # * the FP8 forward: the output, the tile's P V accumulator and the scores leave a few words in
-#   local memory (0-16 bytes by default, 20 in the ``key_order=0`` alternative and 36 in
-#   ``softmax_under_pv=1+p_fp16=0``, at d = 128).
+#   local memory (0-16 bytes by default, 20 in the ``key_order=0`` alternative, at d = 128).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
                       ("backward", 64): 776, ("backward", 128): 704, ("backward_wide", 256): 64,
                       ("backward_dq", 64): 32, ("backward_dq", 128): 32, ("backward_dq", 256): 32,
@@ -61,7 +60,10 @@ SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 25
 # Alternatives with a budget of their own (kernel, spec): the wide-head backward on a persistent
 # grid keeps its per-tile values and ring counts beside dK and dV (offline ptxas, d = 256:
 # 112-208 bytes spilled against 24-56 for one program per tile; a few words reloaded a step).
-ALTERNATIVE_SPILL_BUDGET = {("backward_wide", "persistent=1"): 224}
+# The FP8 forward with the softmax under the P V GEMM (P carried as fp16): at d = 128 non-causal
+# 128 bytes, stored and reloaded around each work item's first key tile, none in the key loop
+# (offline SASS; 0-8 bytes at the other head dims and masks).
+ALTERNATIVE_SPILL_BUDGET = {("backward_wide", "persistent=1"): 224, ("fp8", "softmax_under_pv=1"): 128}
 
 # The forward with a softcap or ALiBi (``compile_forward(softcap=..., alibi=...)``): the
 # softcap's tanh and ALiBi's key distances beside the score tile leave a few words of the
