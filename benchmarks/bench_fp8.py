@@ -161,8 +161,9 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
                               f"{type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
                         continue
                     timed.append((rec, fn))
-                # Further rounds in turns, each run's best kept: the FP8 kernels draw enough power
-                # for the clocks to move between neighbouring timings.
+                # Further rounds in turns, each run's best kept: one kernel's timing moved by up to
+                # 7 % between neighbouring runs on one machine (docs/tuning.md), more than the gaps
+                # between the configurations compared.
                 for _ in range(rounds - 1):
                     for rec, fn in timed:
                         rec["ms"] = min(rec["ms"], bench(fn))
