@@ -15,11 +15,16 @@ eager attention is in tests/integrations).  Records (``bench = "generate"``) go 
 ``--out``/generate.jsonl with a plot beside it::
 
     python benchmarks/bench_generate.py [--prompt 4096] [--new-tokens 256] [--out DIR]
+
+``--decode-tunings SPEC ...`` also times flashtile's model under ``FLASHTILE_DECODE_TUNING=SPEC``
+(``flashtile[SPEC]``, in the same turns): the decode kernel's knobs in the loop they serve.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -62,28 +67,54 @@ def timed_generate(model, ids, new_tokens: int):
     return out[:, ids.shape[1]:], (time.perf_counter() - t0) * 1e3
 
 
-def run(prompt: int, new_tokens: int, repeats: int) -> list[dict]:
+@contextlib.contextmanager
+def decode_tuning(spec: str):
+    """``FLASHTILE_DECODE_TUNING`` set to ``spec`` inside the block (read at every call); nothing
+    for ``""``."""
+    from flashtile.kernels.decode import TUNING_ENV
+
+    if not spec:
+        yield
+        return
+    saved = os.environ.get(TUNING_ENV)
+    os.environ[TUNING_ENV] = spec
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[TUNING_ENV]
+        else:
+            os.environ[TUNING_ENV] = saved
+
+
+def run(prompt: int, new_tokens: int, repeats: int, decode_tunings=()) -> list[dict]:
     ids = torch.randint(1, 32000, (1, prompt), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     impls = [impl for impl in IMPLS
              if impl != "flashtile_gluon" or torch.cuda.get_device_capability() == (9, 0)]  # Gluon: Hopper only
     models = {impl: model_for(impl) for impl in impls}
-    for impl in impls:  # compile the kernels at the prompt's shapes, warm the allocator
-        with engine_for(impl):
-            timed_generate(models[impl], ids, 8)
-    results = {impl: (None, float("inf")) for impl in impls}
+    # (name, model's implementation, decode knobs): each --decode-tunings spec on flashtile's model.
+    runs = [(impl, impl, "") for impl in impls] + [(f"flashtile[{spec}]", "flashtile", spec) for spec in decode_tunings]
+
+    def generate(impl, spec, tokens):
+        with engine_for(impl), decode_tuning(spec):
+            return timed_generate(models[impl], ids, tokens)
+
+    for _, impl, spec in runs:  # compile the kernels at the prompt's shapes, warm the allocator
+        generate(impl, spec, 8)
+    results = {name: (None, float("inf"), spec) for name, _, spec in runs}
     # In turns: the loop is bound by the host's Python, whose speed drifts by several percent
     # over a minute, so each implementation's best is taken across the same stretch of time.
     for _ in range(repeats):
-        for impl in impls:
-            with engine_for(impl):
-                tokens, ms = timed_generate(models[impl], ids, new_tokens)
-            if ms < results[impl][1]:
-                results[impl] = (tokens, ms)
+        for name, impl, spec in runs:
+            tokens, ms = generate(impl, spec, new_tokens)
+            if ms < results[name][1]:
+                results[name] = (tokens, ms, spec)
     env = environment(DEVICE)
     reference = results["sdpa"][0]
     records = []
-    for impl, (tokens, ms) in results.items():
-        records.append({"bench": "generate", "impl": impl, "mode": "generate", "dtype": "bfloat16", "batch": 1,
+    for impl, (tokens, ms, spec) in results.items():
+        records.append({"bench": "generate", "impl": impl, "decode_tuning": spec, "mode": "generate",
+                        "dtype": "bfloat16", "batch": 1,
                         "prompt": prompt, "new_tokens": new_tokens, "layers": 8, "nheads": 16, "nheads_k": 4,
                         "headdim": 128, "ms": ms, "tokens_per_s": new_tokens / ms * 1e3,
                         "tokens_as_sdpa": _common_prefix(tokens[0], reference[0]), **env})
@@ -99,7 +130,7 @@ def plot(records, path):
     fig, ax = subplots(figsize=(5, 3.5))
     colors = {"flashtile": "C0", "flashtile_gluon": "C2", "sdpa": "C1"}
     ax.bar([r["impl"] for r in records], [r["tokens_per_s"] for r in records],
-           color=[colors[r["impl"]] for r in records])
+           color=[colors.get(r["impl"], "C3") for r in records])
     for i, r in enumerate(records):
         ax.text(i, r["tokens_per_s"], f"{r['tokens_per_s']:.0f}", ha="center", va="bottom")
     ax.set_ylabel("generated tokens / s (whole generate())")
@@ -120,12 +151,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tunings", nargs="*", default=[], metavar="SPEC",
+                        help="also time flashtile under FLASHTILE_DECODE_TUNING=SPEC, as flashtile[SPEC]")
     parser.add_argument("--out", type=Path, default=None, help="results folder (committed: benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU")
-    save_results(run(args.prompt, args.new_tokens, args.repeats), args.out or default_out_dir(), "generate",
-                 print_table, plot)
+    records = run(args.prompt, args.new_tokens, args.repeats, args.decode_tunings)
+    save_results(records, args.out or default_out_dir(), "generate", print_table, plot)
+
 
 if __name__ == "__main__":
     main()
