@@ -2,7 +2,7 @@
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
 #   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax wide_bwd
-#                                                 hopper alternatives consan profile_bwd deterministic memory host training parity_tests features generate few_rows decode decode_host decode_iam
+#                                                 hopper alternatives consan consan_fp8 profile_bwd deterministic memory host training parity_tests features generate few_rows decode decode_host decode_iam
 #                                                 tune_decode kvcache_tests strided_tests fp8
 #                                                 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -59,7 +59,7 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
     kvcache_tests) run kvcache_tests 170 python3 -m pytest tests/test_kvcache.py -q -p no:cacheprovider -p no:warnings ;;
     hopper) run hopper_tests 360 python3 -m pytest tests/kernels/hopper tests/kernels/test_engine.py -n 8 -q \
               -p no:cacheprovider -p no:warnings $HANG
-            run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py
+            run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fwd bwd
             run hopper_ab 360 python3 benchmarks/bench_hopper.py --headdims 128 64 256 --seqlens 1024 4096 16384 \
               --out "$RES/hopper_fwd.jsonl"  # the default, attention_fwd.ALTERNATIVES and the peers
             run hopper_bwd_ab 300 python3 benchmarks/bench_hopper_bwd.py --out "$RES/hopper_bwd.jsonl" ;;
@@ -73,7 +73,8 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
         --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)")
       run alternative_tests 180 python3 -m pytest tests/kernels/hopper tests/kernels/test_attention_fp8.py -m gpu -n 12 \
         -q -p no:cacheprovider -p no:warnings ;;
-    consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py ;;
+    consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fwd bwd ;;
+    consan_fp8) run hopper_consan_fp8 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fp8 ;;
     profile_bwd) run profile_fwd_bwd 150 python3 benchmarks/profile_fwd_bwd.py --seqlens 512 1024 2048 16384 --causal 0 1 \
                    --out "$RES/profile_fwd_bwd.jsonl" ;;  # kernels and idle time of one forward + backward
     host) run host_fwd_bwd 120 python3 benchmarks/profile_host_fwd_bwd.py --out "$RES/host_fwd_bwd.jsonl" ;;  # host us per call

@@ -13,7 +13,8 @@ the FP8 forward (``fp8``) in its defaults and each of ``attention_fp8.ALTERNATIV
 
     TRITON_INSTRUMENTATION_MODE=consan python benchmarks/hopper_consan.py [CASE ...]
 
-(CASE: indices into ``CASES``, default all; each instrumented compile takes tens of seconds.)
+(CASE: indices into ``CASES``, or ``fwd`` / ``bwd`` / ``fp8`` for all cases of that kind; default
+all; each instrumented compile takes tens of seconds.)
 """
 
 import os
@@ -67,7 +68,25 @@ CASES += [("fp8", 128, 700, 24, True, "block_n=128")]
 engine.SEPARATE_DQ_MAX_ROWS = 0
 default_bwd_config, default_dq_config = attention_bwd.config_for, attention_bwd_dq.config_for
 default_wide_config = attention_bwd_wide.config_for
-for case in [int(a) for a in sys.argv[1:]] or range(len(CASES)):
+def _kind(case) -> str:
+    return case[0] if isinstance(case[0], str) else "fwd"
+
+
+def selected(args) -> list:
+    """The case indices that ``args`` name: indices, or kinds (``fwd``, ``bwd``, ``fp8``)."""
+    kinds = {_kind(c) for c in CASES}
+    picked = []
+    for a in args:
+        if a in kinds:
+            picked += [i for i, c in enumerate(CASES) if _kind(c) == a]
+        elif a.isdigit() and int(a) < len(CASES):
+            picked.append(int(a))
+        else:
+            sys.exit(f"hopper_consan.py: {a!r} is neither a case index below {len(CASES)} nor one of {sorted(kinds)}")
+    return picked or list(range(len(CASES)))
+
+
+for case in selected(sys.argv[1:]):
     if CASES[case][0] == "bwd":
         _, d, n, heads, causal, spec, deterministic = CASES[case]
         os.environ["FLASHTILE_ENGINE"] = "gluon"
