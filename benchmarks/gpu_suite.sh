@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One command on a GPU machine that installs flashtile, runs the GPU tests and the benchmarks,
 # and packs everything under $OUT into one archive, results.tgz (one file to copy back).
-#   bash benchmarks/gpu_suite.sh [part ...]       parts: tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax wide_bwd
-#                                                 hopper alternatives consan consan_fp8 profile_bwd deterministic memory host training parity_tests features generate few_rows decode decode_host decode_iam
-#                                                 tune_decode kvcache_tests strided_tests fp8
-#                                                 ring io
+#   bash benchmarks/gpu_suite.sh [part ...]
+# parts:
+#   tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax
+#   wide_bwd hopper alternatives consan consan_fp8 profile_bwd deterministic memory host training
+#   parity_tests features generate few_rows decode decode_host decode_iam tune_decode kvcache_tests
+#   strided_tests fp8 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
 set -u
