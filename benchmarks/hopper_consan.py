@@ -68,6 +68,8 @@ CASES += [("fp8", 128, 700, 24, True, "block_n=128")]
 engine.SEPARATE_DQ_MAX_ROWS = 0
 default_bwd_config, default_dq_config = attention_bwd.config_for, attention_bwd_dq.config_for
 default_wide_config = attention_bwd_wide.config_for
+
+
 def _kind(case) -> str:
     return case[0] if isinstance(case[0], str) else "fwd"
 

@@ -24,8 +24,9 @@ E4M3_MAX = 448.0
 # transpose costs two passes of V through HBM and a launch, once per call; the kernel's own
 # transpose costs shared-memory traffic each time a query tile reads a V tile, i.e.
 # seqlen_q * group / BLOCK_M times (BLOCK_M = 128 there).  Measured (benchmarks/bench_fp8.py,
-# H100, seqlen_q = 1k, d = 64 / 128 / 256): the in-kernel form at 0.34-0.54x of the host form,
-# transpose included; one query tile per KV head is where the two do the same V traffic.
+# H100, seqlen_q = 1k, eight query tiles a head, d = 64 / 128 / 256): the in-kernel form at
+# 0.34-0.54x of the host form, transpose included.  Below one query tile a KV head, V is read
+# once either way, and the host pass would only add its two passes and its launch.
 HOST_TRANSPOSE_MIN_ROWS = 128
 
 
