@@ -23,14 +23,13 @@ eager attention is in tests/integrations).  Records (``bench = "generate"``) go 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import default_out_dir, environment, save_figure, save_results, subplots
+from flashtile.bench.common import (default_out_dir, environ_set, environment, save_figure, save_results,
+                                    subplots)
 from flashtile.bench.gpu import engine_for
 
 # flashtile_gluon forces the Gluon forward at every call, decoding steps included (``auto`` runs
@@ -67,24 +66,12 @@ def timed_generate(model, ids, new_tokens: int):
     return out[:, ids.shape[1]:], (time.perf_counter() - t0) * 1e3
 
 
-@contextlib.contextmanager
 def decode_tuning(spec: str):
-    """``FLASHTILE_DECODE_TUNING`` set to ``spec`` inside the block (read at every call); nothing
-    for ``""``."""
+    """A context manager: ``FLASHTILE_DECODE_TUNING`` set to ``spec`` inside the block (read at
+    every call); nothing for ``""``."""
     from flashtile.kernels.decode import TUNING_ENV
 
-    if not spec:
-        yield
-        return
-    saved = os.environ.get(TUNING_ENV)
-    os.environ[TUNING_ENV] = spec
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[TUNING_ENV]
-        else:
-            os.environ[TUNING_ENV] = saved
+    return environ_set(TUNING_ENV, spec or None)
 
 
 def run(prompt: int, new_tokens: int, repeats: int, decode_tunings=()) -> list[dict]:

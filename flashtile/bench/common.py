@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: environment record, JSONL output, peak-memory probe.
+"""Helpers shared by the benchmarks: environment record, JSONL output, peak-memory probe, knobs
+set for a block.
 
 Every benchmark record carries :func:`environment` so a JSONL line says on which machine,
 with which torch/triton, and when it was measured.
@@ -6,6 +7,7 @@ with which torch/triton, and when it was measured.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime as _dt
 import gc
@@ -22,6 +24,7 @@ import torch
 
 __all__ = [
     "default_out_dir",
+    "environ_set",
     "environment",
     "write_jsonl",
     "read_jsonl",
@@ -78,6 +81,25 @@ def environment(device: str | torch.device | None = None) -> dict[str, Any]:
         "triton": _version("triton"),
         "python": platform.python_version(),
     }
+
+
+@contextlib.contextmanager
+def environ_set(name: str, value: str | None):
+    """``os.environ[name]`` set to ``value`` inside the block and restored after (unset again
+    if it was); ``None`` leaves it as it is.  flashtile reads its knob variables at every call,
+    so a benchmark switches engines and tunings this way without patching anything."""
+    if value is None:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def default_out_dir() -> Path:

@@ -19,15 +19,12 @@ for the backward and 3.5 for forward + backward.  Timings are medians from
 
 from __future__ import annotations
 
-
-import contextlib
-import os
 from pathlib import Path
 
 import torch
 
-from flashtile.bench.common import (compile_for_benchmark, default_out_dir, environment, save_figure, save_results,
-                                    standard_batch_heads, subplots)
+from flashtile.bench.common import (compile_for_benchmark, default_out_dir, environ_set, environment, save_figure,
+                                    save_results, standard_batch_heads, subplots)
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEADDIMS = (64, 128, 256)
@@ -111,24 +108,13 @@ def impl_fn(impl: str, causal: bool, headdim: int):
 FORCED_ENGINES = {"flashtile_triton": "triton", "flashtile_gluon": "gluon"}
 
 
-@contextlib.contextmanager
 def engine_for(impl: str):
-    """``FLASHTILE_ENGINE`` set to ``impl``'s forced engine (``FORCED_ENGINES``; forward and
-    backward alike) inside the block, nothing else for other implementations."""
+    """A context manager: ``FLASHTILE_ENGINE`` set to ``impl``'s forced engine
+    (``FORCED_ENGINES``; forward and backward alike) inside the block, nothing else for other
+    implementations."""
     from flashtile.kernels.engine import ENGINE_ENV
 
-    if impl not in FORCED_ENGINES:
-        yield
-        return
-    saved = os.environ.get(ENGINE_ENV)
-    os.environ[ENGINE_ENV] = FORCED_ENGINES[impl]
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[ENGINE_ENV]
-        else:
-            os.environ[ENGINE_ENV] = saved
+    return environ_set(ENGINE_ENV, FORCED_ENGINES.get(impl))
 
 
 def time_attention(fn, mode, q, k, v):
