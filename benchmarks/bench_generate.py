@@ -89,8 +89,9 @@ def run(prompt: int, new_tokens: int, repeats: int, decode_tunings=()) -> list[d
     for _, impl, spec in runs:  # compile the kernels at the prompt's shapes, warm the allocator
         generate(impl, spec, 8)
     results = {name: (None, float("inf"), spec) for name, _, spec in runs}
-    # In turns: the loop is bound by the host's Python, whose speed drifts by several percent
-    # over a minute, so each implementation's best is taken across the same stretch of time.
+    # In turns: the loop is bound by the host's Python, whose speed moved by up to a quarter
+    # between rounds a minute apart (docs/tuning.md), so each implementation's best is taken
+    # across the same stretch of time.
     for _ in range(repeats):
         for name, impl, spec in runs:
             tokens, ms = generate(impl, spec, new_tokens)
