@@ -23,12 +23,11 @@ Prints one line a shape and writes one JSON object a line (``--out``) and a plot
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
-from flashtile.bench.common import (environment, save_figure, save_records, shape_sweep, standard_batch_heads,
-                                    subplots)
+from flashtile.bench.common import (environ_set, environment, save_figure, save_records, shape_sweep,
+                                    standard_batch_heads, subplots)
 from flashtile.bench.gpu import attention_flops, impl_fn, time_attention
 from flashtile.kernels import engine
 from flashtile.kernels.engine import ENGINE_ENV
@@ -64,34 +63,28 @@ def _timed(impl, variant, causal, q, k, v):
         return time_attention(impl_fn(impl, causal, q.shape[-1]), "fwd_bwd", q, k, v)
     module, spec = _variant(variant)
     thresholds = _engine_values(spec) if module is engine and spec else {}
-    saved_env, saved_cfg = os.environ.get(ENGINE_ENV), getattr(module, "config_for", None)
+    saved_cfg = getattr(module, "config_for", None)
     saved_thresholds = {name: getattr(engine, name) for name in thresholds}
-    os.environ[ENGINE_ENV] = impl
     if spec and module is not engine:
         module.config_for = configured(saved_cfg, spec)
     for name, value in thresholds.items():
         setattr(engine, name, value)
     try:
-        if impl == "triton":  # the Gluon forward, the tl.* backward
-            fwd = impl_fn("flashtile", causal, q.shape[-1])
+        with environ_set(ENGINE_ENV, impl):
+            if impl == "triton":  # the Gluon forward, the tl.* backward
+                fwd = impl_fn("flashtile", causal, q.shape[-1])
 
-            def fn(q_, k_, v_):
-                os.environ[ENGINE_ENV] = "gluon"
-                out = fwd(q_, k_, v_)
-                os.environ[ENGINE_ENV] = "triton"
-                return out
+                def fn(q_, k_, v_):
+                    with environ_set(ENGINE_ENV, "gluon"):  # the backward reads "triton" again
+                        return fwd(q_, k_, v_)
 
-            return time_attention(fn, "fwd_bwd", q, k, v)
-        return time_attention(impl_fn("flashtile", causal, q.shape[-1]), "fwd_bwd", q, k, v)
+                return time_attention(fn, "fwd_bwd", q, k, v)
+            return time_attention(impl_fn("flashtile", causal, q.shape[-1]), "fwd_bwd", q, k, v)
     finally:
         if module is not engine:
             module.config_for = saved_cfg
         for name, value in saved_thresholds.items():
             setattr(engine, name, value)
-        if saved_env is None:
-            os.environ.pop(ENGINE_ENV, None)
-        else:
-            os.environ[ENGINE_ENV] = saved_env
 
 
 def plot(records, path) -> None:
