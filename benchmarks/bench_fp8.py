@@ -12,12 +12,12 @@ medians taken in turns over a shape's runs.  Implementations:
   shared memory inside the loop (no host pass);
 * ``v_transpose`` -- the host transpose alone (ms only), ``flashtile.fp8.transpose_v``;
 * ``fp8_gluon`` / ``fp8_gluon_bn64`` -- the Hopper Gluon FP8 kernel alone (sm_90, head dims up
-  to 128), V pre-transposed, in the engine's configuration (``attention_fp8.config_for``) and
+  to 256), V pre-transposed, in the engine's configuration (``attention_fp8.config_for``) and
   with 64-key tiles (``block_n=64``); ``--gluon-variants SPEC ...`` adds
   ``fp8_gluon:<spec>`` for each ``attention_fp8.config_from_spec`` spec (e.g. the module's
   ``ALTERNATIVES``).
 
-``fp8`` runs whichever kernel ``FLASHTILE_ENGINE`` selects (on Hopper the Gluon one up to d = 128).
+``fp8`` runs whichever kernel ``FLASHTILE_ENGINE`` selects (``gluon``: on Hopper the Gluon one).
 
 ``fp8_pretransposed + v_transpose`` against ``fp8_v_in_kernel`` is the V-layout decision of
 docs/fp8.md.  ``--tiles BM,BN,warps,stages ...`` also times both kernel variants with each
@@ -133,10 +133,10 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
                     runs.append(("v_transpose", "float8_e4m3fn", None, partial(transpose_v, v8)))
                 gluon_runs = [(impl, spec) for impl, spec in (("fp8_gluon", ""), ("fp8_gluon_bn64", "block_n=64"))
                               if impl in impls] + [(f"fp8_gluon:{spec}", spec) for spec in gluon_variants]
-                if headdim <= 128 and torch.cuda.get_device_capability() == (9, 0):
-                    for impl, spec in gluon_runs:
-                        from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
+                from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
 
+                if headdim <= hopper_fp8.MAX_HEADDIM and torch.cuda.get_device_capability() == (9, 0):
+                    for impl, spec in gluon_runs:
                         cfg = hopper_fp8.config_from_spec(hopper_fp8.padded_headdim(headdim), causal, spec)
                         # The kernel alone: V in the key order a key_order configuration reads, made once.
                         v_in = hopper_fp8.wgmma_key_order(v_t) if cfg.key_order else v_t

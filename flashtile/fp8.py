@@ -55,6 +55,22 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _transpose_v_key_ordered(v: torch.Tensor) -> torch.Tensor:
+    """``transpose_v(v)`` with the keys of every 16 in the order the Hopper FP8 kernel's P
+    operand takes them, zero-padded to a multiple of 16 keys (``fp8_key_order``): one pass
+    over V where ``transpose_v`` and ``wgmma_key_order`` would make two."""
+    from flashtile.kernels.hopper.fp8_key_order import KEY_BITS_ORDER, wgmma_key_order
+
+    if not (v.is_cuda and v.element_size() == 1 and v.numel()):
+        return wgmma_key_order(transpose_v(v))
+    from flashtile.kernels.attention_fp8 import transpose_v_into
+
+    batch, seqlen_k, nheads_k, headdim = v.shape
+    out = torch.empty(batch, nheads_k, headdim, -(-seqlen_k // 16) * 16, dtype=v.dtype, device=v.device)
+    transpose_v_into(v, out, KEY_BITS_ORDER)
+    return out
+
+
 def _tma_ready_vt(v_t: torch.Tensor) -> torch.Tensor:
     """A transposed V whose base and outer strides are 16-byte aligned (TMA), copied only if needed."""
     ok = (v_t.stride(-1) == 1 and v_t.data_ptr() % 16 == 0
@@ -143,10 +159,16 @@ def flash_attn_fp8_func(
             from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
             from flashtile.kernels.tma import tma_ready
 
-            # The Gluon kernel reads V transposed only (its tiles land K-major as they are).
-            v = _tma_ready_vt(v) if v_transposed else transpose_v(v)
+            # The Gluon kernel reads V transposed only (its tiles land K-major as they are), with
+            # its keys in the P operand's order where the configuration asks for it.
+            key_order = hopper_fp8.config_for(hopper_fp8.padded_headdim(headdim), causal).key_order
+            if v_transposed:
+                v, in_key_order = _tma_ready_vt(v), False
+            else:
+                v, in_key_order = (_transpose_v_key_ordered(v) if key_order else transpose_v(v)), key_order
             out, lse = hopper_fp8.forward(tma_ready(q), tma_ready(k), v, q_descale, k_descale, v_descale,
-                                          softmax_scale, causal=causal, max_offset=max_offset)
+                                          softmax_scale, causal=causal, max_offset=max_offset,
+                                          v_in_key_order=in_key_order)
         elif q.device.type == "cuda":
             from flashtile.kernels.attention_fp8 import attention_fp8_forward
 

@@ -212,34 +212,50 @@ def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, inter
 
 @triton.jit
 def _transpose_v_kernel(V, VT, seqlen_k, nheads_k, headdim, s_vb, s_vn, s_vh, s_vd, s_tb, s_th, s_td,
-                        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KEY_BITS: tl.constexpr):
     """One tile of ``VT[b, h, dims, keys] = V[b, keys, h, dims]`` (bytes): a 2-D transpose per
     (batch, kv head), through shared memory so that both the loads (along the head dim) and
-    the stores (along the keys) stay contiguous."""
+    the stores (along the keys) stay contiguous.
+
+    With ``KEY_BITS`` (the Gluon FP8 forward's key order, ``fp8_key_order.KEY_BITS_ORDER``) each
+    key lands at its place in that order within its 16 keys, and the keys are zero-padded to a
+    multiple of 16: bit ``3 - i`` of the place is bit ``3 - KEY_BITS[i]`` of the key."""
     bh = tl.program_id(2)
     b = (bh // nheads_k).to(tl.int64)
     h = (bh % nheads_k).to(tl.int64)
     keys = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (keys[:, None] < seqlen_k) & (dims[None, :] < headdim)
-    tile = tl.load(V + b * s_vb + h * s_vh + keys[:, None].to(tl.int64) * s_vn + dims[None, :] * s_vd, mask=ok)
-    dst = VT + b * s_tb + h * s_th + dims[:, None].to(tl.int64) * s_td + keys[None, :]
-    tl.store(dst, tl.trans(tile), mask=tl.trans(ok))
+    tile = tl.load(V + b * s_vb + h * s_vh + keys[:, None].to(tl.int64) * s_vn + dims[None, :] * s_vd, mask=ok,
+                   other=0)
+    if KEY_BITS is None:
+        place, stored = keys, ok
+    else:
+        place = keys & -16
+        for i in tl.static_range(4):
+            place += ((keys >> (3 - KEY_BITS[i])) & 1) << (3 - i)
+        stored = (keys[:, None] < tl.cdiv(seqlen_k, 16) * 16) & (dims[None, :] < headdim)
+    dst = VT + b * s_tb + h * s_th + dims[:, None].to(tl.int64) * s_td + place[None, :]
+    tl.store(dst, tl.trans(tile), mask=tl.trans(stored))
 
 
-def transpose_v_into(v: torch.Tensor, out: torch.Tensor) -> None:
+def transpose_v_into(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None = None) -> None:
     """``out[b, h, d, n] = v[b, n, h, d]`` for one-byte ``v`` (any strides) and ``out`` with
     unit key stride: the kernel behind ``flashtile.fp8.transpose_v`` on the GPU (a torch
-    permute-copy of fp8 runs at ~0.37 TB/s; docs/fp8.md)."""
+    permute-copy of fp8 runs at ~0.37 TB/s; docs/fp8.md).  With ``key_bits`` the keys are
+    stored in that order within every 16 (``_transpose_v_kernel``), and ``out`` holds the keys
+    zero-padded to a multiple of 16."""
     batch, seqlen_k, nheads_k, headdim = v.shape
     if out.stride(-1) != 1:
         raise ValueError(f"out must have unit stride along the keys, got strides {tuple(out.stride())}")
+    if key_bits is not None and out.shape[-1] != cdiv(seqlen_k, 16) * 16:
+        raise ValueError(f"out must hold {cdiv(seqlen_k, 16) * 16} keys in key order, got {out.shape[-1]}")
     vb, tb = v.view(torch.uint8), out.view(torch.uint8)  # bytes: no fp8 arithmetic happens here
     block_k = 16 if INTERPRET else 128
     block_d = min(16 if INTERPRET else 128, next_power_of_2(headdim))
     grid = (cdiv(seqlen_k, block_k), cdiv(headdim, block_d), batch * nheads_k)
     _transpose_v_kernel[grid](vb, tb, seqlen_k, nheads_k, headdim, *vb.stride(), tb.stride(0), tb.stride(1),
-                              tb.stride(2), BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4)
+                              tb.stride(2), BLOCK_K=block_k, BLOCK_D=block_d, KEY_BITS=key_bits, num_warps=4)
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:

@@ -15,8 +15,8 @@ The backward has Gluon kernels too (no dropout, softcap or ALiBi), which ``auto`
 they can run the call, except at head dims up to 64 for short masked calls
 (``backward_engine``): ``attention_bwd`` up to head dim 128, and for head dims 129-256 a dK / dV
 kernel (``attention_bwd_wide``) with dQ from ``attention_bwd_dq``.
-The FP8 forward's Gluon kernel runs only when ``gluon`` is forced: it is not yet faster than
-the ``tl.*`` one (``fp8_forward_engine``).
+The FP8 forward's Gluon kernel runs under ``auto`` above head dim 128, where it is faster than
+the ``tl.*`` one, and wherever ``gluon`` is forced (``fp8_forward_engine``).
 
 Under ``auto``, a dense forward of at most ``SPLIT_KV_MAX_SEQLEN_Q`` query rows (a decoding
 step through ``flash_attn_func``, as transformers makes it) runs on neither forward kernel but
@@ -275,19 +275,26 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
 
 
 # The Gluon FP8 forward keeps the output and each tile's P V accumulator in registers: head
-# dims up to 128.
-GLUON_FP8_MAX_HEADDIM = 128
+# dims up to 256 (at 256 the P V accumulator a chunk of the output's columns at a time).
+GLUON_FP8_MAX_HEADDIM = 256
+# ``auto`` takes the Gluon FP8 forward above this head dim (``fp8_forward_engine``).
+GLUON_FP8_AUTO_ABOVE_HEADDIM = 128
 
 
 def fp8_forward_engine(q: torch.Tensor) -> str:
     """``"gluon"`` or ``"triton"`` for ``flash_attn_fp8_func`` on ``q``'s device (e4m3 inputs).
 
-    ``auto`` keeps the ``tl.*`` FP8 kernel: the Gluon one is slower at d = 64 in every run
-    (H100, N = 16k, non-causal: 490 against 561 TFLOP/s), and at d = 128 the two swapped places
-    between neighbouring runs (768 against 841, then 811 against 783; docs/tuning.md).
-    ``gluon`` forces it where it can run the call.
+    ``auto`` takes the Gluon kernel above d = 128, where it runs at twice the ``tl.*`` kernel's
+    speed (H100, d = 256, V pre-transposed, best of three runs in turns, N = 4k / 16k:
+    non-causal 910 / 955 TFLOP/s against 457 / 484, causal 832 / 947 against 417 / 487), and
+    keeps the ``tl.*`` one up to d = 128: at d = 64 the Gluon kernel is slower in every run
+    (N = 16k, non-causal: 490 against 561), at d = 128 the two are within run-to-run spread
+    non-causal (868 against 846) and ``tl.*`` is ahead causal (N = 16k: 828 against 740;
+    docs/tuning.md).  ``gluon`` forces the Gluon kernel where it can run the call (else
+    ``NotImplementedError``), ``triton`` the ``tl.*`` one.
     """
-    if requested_engine() != "gluon":
+    wanted = requested_engine()
+    if wanted == "triton" or (wanted != "gluon" and q.shape[-1] <= GLUON_FP8_AUTO_ABOVE_HEADDIM):
         return "triton"
     reason = None if q.is_cuda else "the tensors are not on a CUDA device"
     if reason is None:
@@ -296,6 +303,8 @@ def fp8_forward_engine(q: torch.Tensor) -> str:
         reason = f"head dim {q.shape[-1]} (the Gluon FP8 forward takes up to {GLUON_FP8_MAX_HEADDIM})"
     if reason is None and q.numel() // max(q.shape[-1], 1) > GLUON_MAX_QUERY_ROWS:
         reason = f"{q.numel() // q.shape[-1]} (query row, head) pairs (the Gluon kernels take up to 2^31 - 1)"
-    if reason is not None:
+    if reason is None:
+        return "gluon"
+    if wanted == "gluon":
         raise NotImplementedError(f"{ENGINE_ENV}=gluon, but the Gluon FP8 forward cannot run this call: {reason}")
-    return "gluon"
+    return "triton"

@@ -232,6 +232,29 @@ def test_transpose_v_kernel(shape):
     assert (buf[..., shape[1]:] == 7).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16), (2, 17, 3, 40), (1, 300, 2, 256)], ids=str)
+def test_transpose_v_kernel_in_key_order(shape):
+    """The transpose with the Hopper FP8 kernel's key order (one pass): the same bytes as the
+    transpose followed by ``wgmma_key_order``, the keys zero-padded to a multiple of 16."""
+    fp8_key_order = pytest.importorskip("flashtile.kernels.hopper.fp8_key_order")
+    gen = torch.Generator().manual_seed(sum(shape))
+    big = torch.randint(1, 255, (shape[0], shape[1], shape[2] + 1, shape[3]), generator=gen, dtype=torch.uint8)
+    v = big.to(DEVICE).view(torch.float8_e4m3fn)[:, :, 1:]
+    padded = -(-shape[1] // 16) * 16
+    # 255 never occurs in v: a byte left unwritten (the padding included) shows.
+    out = torch.full((shape[0], shape[2], shape[3], padded), 255, dtype=torch.uint8, device=DEVICE)
+    kf8.transpose_v_into(v, out.view(torch.float8_e4m3fn), fp8_key_order.KEY_BITS_ORDER)
+    want = fp8_key_order.wgmma_key_order(transpose_v(v)).view(torch.uint8)
+    assert torch.equal(out, want)
+    # What flash_attn_fp8_func hands the Gluon kernel (this kernel on a GPU, the two passes elsewhere).
+    from flashtile.fp8 import _transpose_v_key_ordered
+
+    assert torch.equal(_transpose_v_key_ordered(v).view(torch.uint8), want)
+    with pytest.raises(ValueError, match="keys in key order"):
+        kf8.transpose_v_into(v, out.view(torch.float8_e4m3fn)[..., :shape[1]], fp8_key_order.KEY_BITS_ORDER)
+
+
 @needs_interpreter
 def test_interpreter_rounding_matches_torch():
     """The interpreter-only rounding helpers against torch's casts (round to nearest even),
@@ -277,10 +300,9 @@ GPU_CASES = [
 
 
 def _engine(monkeypatch, engine, headdim):
-    # FLASHTILE_ENGINE picks the FP8 kernel: gluon forces the Gluon one (Hopper, head dims up
-    # to 128), triton the tl.* one.
-    if engine == "gluon" and not (torch.cuda.get_device_capability() == (9, 0) and headdim <= 128):
-        pytest.skip("the Gluon FP8 forward runs on sm_90, head dims up to 128")
+    # FLASHTILE_ENGINE picks the FP8 kernel: gluon forces the Gluon one (Hopper), triton the tl.* one.
+    if engine == "gluon" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon FP8 forward runs on sm_90")
     monkeypatch.setenv("FLASHTILE_ENGINE", engine)
 
 
@@ -302,7 +324,9 @@ def test_fp8_forward_gpu_without_max_offset(engine, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", ["triton", "gluon"])
 @pytest.mark.parametrize("case", [(1, 17, 17, 2, 2, 64, True, "head"), (1, 200, 128, 4, 2, 128, True, "head"),
-                                  (1, 40, 40, 2, 2, 48, False, "head"), (1, 1, 200, 4, 1, 64, True, "head")],
+                                  (1, 40, 40, 2, 2, 48, False, "head"), (1, 1, 200, 4, 1, 64, True, "head"),
+                                  (1, 200, 128, 4, 2, 256, True, "head"), (1, 1, 200, 4, 1, 256, True, "tensor"),
+                                  (2, 1000, 1000, 2, 2, 192, False, "head"), (1, 17, 1000, 8, 1, 256, False, "head")],
                          ids=_case_id)
 def test_fp8_forward_gpu_awkward_shapes(case, engine, monkeypatch):
     _engine(monkeypatch, engine, case[5])
@@ -311,12 +335,16 @@ def test_fp8_forward_gpu_awkward_shapes(case, engine, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("alternative", GLUON_FP8_ALTERNATIVES)
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[5] <= 128] + [(1, 17, 17, 2, 2, 64, True, "head")],
-                         ids=_case_id)
+@pytest.mark.parametrize("case", GPU_CASES + [(1, 17, 17, 2, 2, 64, True, "head"),
+                                              (2, 300, 200, 4, 2, 256, True, "head")], ids=_case_id)
 def test_gluon_fp8_alternative_configurations_gpu(case, alternative, monkeypatch):
-    # Each of attention_fp8.ALTERNATIVES in place of the Gluon FP8 forward's configuration.
+    # Each of attention_fp8.ALTERNATIVES in place of the Gluon FP8 forward's configuration,
+    # where it launches another kernel.
     _engine(monkeypatch, "gluon", case[5])
     from flashtile.kernels.hopper import attention_fp8 as hopper_fp8, configured
+
+    if hopper_fp8.is_default(hopper_fp8.padded_headdim(case[5]), case[6], alternative):
+        pytest.skip(f"{alternative} is the default configuration here")
 
     monkeypatch.setattr(hopper_fp8, "config_for", configured(hopper_fp8.config_for, alternative))
     _check(*case, api=True)

@@ -194,3 +194,20 @@ def test_fp8_takes_the_tl_kernel_unless_gluon_is_forced(monkeypatch):
     monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
     with pytest.raises(NotImplementedError, match="Gluon FP8 forward cannot run this call.*CUDA"):
         engine.fp8_forward_engine(q)
+
+
+def test_fp8_takes_the_gluon_kernel_above_d128_on_hopper(monkeypatch):
+    monkeypatch.setattr(engine, "gluon_device_reason", lambda index: None)
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    for d, expected in ((256, "gluon"), (192, "gluon"), (136, "gluon"), (128, "triton"), (64, "triton")):
+        assert engine.fp8_forward_engine(_HopperStandIn(1, 4, 2, d)) == expected, d
+    monkeypatch.setenv(engine.ENGINE_ENV, "triton")
+    assert engine.fp8_forward_engine(_HopperStandIn(1, 4, 2, 256)) == "triton"
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    assert engine.fp8_forward_engine(_HopperStandIn(1, 4, 2, 64)) == "gluon"
+    # Off Hopper (or without the pinned Triton) auto keeps the tl.* kernel; gluon says why it cannot.
+    monkeypatch.setattr(engine, "gluon_device_reason", lambda index: "the Gluon kernels are written for sm_90")
+    with pytest.raises(NotImplementedError, match="sm_90"):
+        engine.fp8_forward_engine(_HopperStandIn(1, 4, 2, 256))
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    assert engine.fp8_forward_engine(_HopperStandIn(1, 4, 2, 256)) == "triton"

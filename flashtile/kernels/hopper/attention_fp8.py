@@ -2,7 +2,7 @@
 
 ``attention_fwd.attention_fwd_kernel`` with ``FP8=True`` keeps the bf16 forward's work items,
 producer warp, two consumers and online softmax (the consumers take turns at the tensor cores
-for causal d = 128 only, ``config_for``); what FP8 changes there (the reasons are in
+at d = 128 only, ``config_for``); what FP8 changes there (the reasons are in
 ``flashtile/kernels/attention_fp8.py``, the portable FP8 kernel, and docs/fp8.md):
 
 * Q and K are e4m3 and their wgmma contracts 32 elements an instruction; the descales
@@ -18,8 +18,10 @@ for causal d = 128 only, ``config_for``); what FP8 changes there (the reasons ar
 * ``v_descale`` joins ``1 / l`` in the epilogue; the output is bf16.
 
 This module is the host side: tiles, descriptors, the descales, the launch.  Dense batches,
-causal (bottom-right) or not, GQA; head dims 32-128 (at 256 the output and the per-tile
-accumulator alone would take 256 registers a thread).
+causal (bottom-right) or not, GQA; head dims 32-256.  At d = 256 the output and a whole
+per-tile accumulator would take 256 registers a thread: there the output is eight accumulators
+of 32 columns and a tile's P V is issued a chunk of 32 columns at a time into one fresh
+accumulator (``pv_cols``), beside 64-key tiles.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from flashtile.kernels.tile_info import work_schedule
 LOG2E = 1.4426950408889634
 # log2 of the factor P is scaled by before its e4m3 cast: 2^8 = 256 <= 448.
 MAX_OFFSET = 8
-MAX_HEADDIM = 128
+MAX_HEADDIM = 256
 
 
 # --------------------------------------------------------------------------------------
@@ -69,6 +71,14 @@ class HopperFp8Config(RegisterBudget):
     # the operand's registers byte by byte, where fp16 pairs stay packed (H100, d = 128, N = 16k
     # non-causal: 743 TFLOP/s against 655 with e4m3 carried; docs/tuning.md).
     p_fp16: bool = True
+    # The output in chunks of this many columns (0: the whole head dim), P V issued chunk by
+    # chunk into one fresh accumulator of a chunk's width (d = 256: the whole head dim's would
+    # not fit beside the output).
+    pv_cols: int = 0
+
+    def pv_chunks(self, head_dim_pad: int) -> int:
+        """The output's column chunks at ``head_dim_pad``."""
+        return head_dim_pad // min(self.pv_cols or head_dim_pad, head_dim_pad)
 
     @property
     def block_m(self) -> int:
@@ -81,18 +91,37 @@ class HopperFp8Config(RegisterBudget):
 
 @functools.lru_cache(maxsize=None)
 def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
-    """128-key tiles, but 64 for causal d = 128: its masked tiles' extra registers beside the
-    output, the tile's P V accumulator and the scores spilled 528 bytes at 128 (offline ptxas),
-    none at 64.  Causal d = 128 is also the one case where the consumers take turns at the
-    tensor cores (N = 4k: 567 TFLOP/s against 548 without); elsewhere each issues its GEMMs
-    when ready (non-causal d = 128, N = 16k: 722 against 689 in turns; docs/tuning.md)."""
-    wide_causal = causal and head_dim_pad > 64
-    return HopperFp8Config(block_n=64 if wide_causal else 128, pingpong=wide_causal)
+    """Per padded head dim (the measurements behind each choice are in docs/tuning.md):
+
+    * d = 64: 128-key tiles, each consumer issuing its GEMMs when ready;
+    * d = 128: the consumers take turns at the tensor cores, and the output is two 64-column
+      chunks (P V issued a chunk at a time into a 64-column accumulator: 64 registers fewer
+      than a whole one); 128-key tiles, 64 causal (128 spilled 528 bytes offline with the
+      masked tiles' extra registers).  H100, N = 16k, best of three runs in turns: 868 TFLOP/s
+      non-causal against 726 for 128-key tiles without turns or chunks; causal 740 against 685;
+    * d = 256: 64-key tiles and the output in 32-column chunks: the output (128 registers a
+      thread), one chunk's P V, the scores and P of 64 keys fit with no spill in the key loop
+      (64- and 128-column chunks spilled 11-45 words a step there, offline; 64-column ones ran
+      11-38 % slower); each consumer issues its GEMMs when ready (in turns: 1-6 % slower in
+      the best of three runs in turns)."""
+    if head_dim_pad > 128:
+        return HopperFp8Config(block_n=64, pingpong=False, pv_cols=32)
+    if head_dim_pad > 64:
+        return HopperFp8Config(block_n=64 if causal else 128, pingpong=True, pv_cols=64)
+    return HopperFp8Config(block_n=128, pingpong=False)
 
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
 # in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
-ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=1", "softmax_under_pv=1", "p_fp16=0")
+ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=0", "pingpong=1", "softmax_under_pv=1", "p_fp16=0",
+                "pv_cols=64", "pv_cols=128")
+
+
+def is_default(head_dim_pad: int, causal: bool, spec: str) -> bool:
+    """Whether ``spec`` launches ``config_for``'s kernel itself at this head dim and mask (e.g.
+    ``block_n=64`` at d = 256, ``pv_cols=128`` at d = 64)."""
+    return (kernel_constexprs(config_from_spec(head_dim_pad, causal, spec), head_dim_pad, causal)
+            == kernel_constexprs(config_for(head_dim_pad, causal), head_dim_pad, causal))
 
 
 def config_from_spec(head_dim_pad: int, causal: bool, spec: str) -> HopperFp8Config:
@@ -160,5 +189,5 @@ def kernel_constexprs(cfg: HopperFp8Config, hd: int, causal: bool, max_offset: b
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
         KEY_ORDER=cfg.key_order, P_FP16=cfg.p_fp16, HAS_SOFTCAP=False, HAS_ALIBI=False,
-        SOFTMAX_OWN_BLOCK=cfg.softmax_under_pv, num_warps=4, maxnreg=cfg.maxnreg,
+        SOFTMAX_OWN_BLOCK=cfg.softmax_under_pv, PV_CHUNKS=cfg.pv_chunks(hd), num_warps=4, maxnreg=cfg.maxnreg,
     )

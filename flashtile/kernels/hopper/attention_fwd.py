@@ -268,25 +268,48 @@ def pass_tiles(first, end, my_turn, their_turn, k_ready, k_empty, v_ready, v_emp
 
 
 @gluon.jit
-def _pv_mma(p, v_buf, acc, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            FP8: gl.constexpr):
-    """Issue ``P V`` for one key tile: accumulated onto ``acc`` (16-bit), or into a fresh
-    accumulator that the caller adds in fp32 (FP8, V stored K-major; ``p`` e4m3 or fp16, cast
-    here)."""
+def _pv_mma(p, v_buf, acc, chunk: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, FP8: gl.constexpr):
+    """Issue ``P V`` for one key tile: accumulated onto ``acc`` (16-bit), or (FP8, ``p`` e4m3, V
+    stored K-major) the output columns of ``acc``'s width from ``chunk * width`` into a fresh
+    accumulator that the caller adds in fp32."""
     if FP8:
-        v = v_buf.reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
-        pv = warpgroup_mma(p.to(gl.float8e4nv), v, gl.zeros(acc.shape, gl.float32, layout=o_layout), use_acc=False,
-                           is_async=True)
+        COLS: gl.constexpr = acc.shape[1]
+        v = v_buf.reshape([HEAD_DIM, BLOCK_N]).slice(chunk * COLS, COLS, dim=0).permute((1, 0))
+        pv = warpgroup_mma(p, v, gl.zeros(acc.shape, gl.float32, layout=o_layout), use_acc=False, is_async=True)
     else:
         pv = warpgroup_mma(p, v_buf.reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     return pv
 
 
 @gluon.jit
+def _take_pv(accs, pv, p, v_buf, v_empty, alpha, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr):
+    """FP8: ``acc_c * alpha + P V_c`` for each column chunk ``c`` of the output, the V slot
+    ``v_buf`` released (``v_empty``) once its last GEMM is waited for.  ``pv`` is chunk 0's
+    product, already waited for; each later chunk's GEMM is issued and waited for here, one at a
+    time (its fresh accumulator's registers are reused), its chunk of the output rescaled while
+    the GEMM runs."""
+    CHUNKS: gl.constexpr = len(accs)
+    scale = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    if CHUNKS == 1:
+        mbarrier.arrive(v_empty, count=1)
+    taken = (accs[0] * scale + pv,)
+    for c in gl.static_range(1, CHUNKS):
+        pv_c = _pv_mma(p, v_buf, accs[c], c, o_layout, BLOCK_N, HEAD_DIM, True)
+        acc_c = accs[c] * scale
+        pv_c = warpgroup_mma_wait(0, deps=[pv_c])
+        if c == CHUNKS - 1:
+            mbarrier.arrive(v_empty, count=1)
+        taken = taken + (acc_c + pv_c,)
+    return taken
+
+
+@gluon.jit
 def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
               P_FP16: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-              SOFTMAX_OWN_BLOCK: gl.constexpr):
+              SOFTMAX_OWN_BLOCK: gl.constexpr, PV_CHUNKS: gl.constexpr):
     """Rows ``[64 * INDEX, 64 * INDEX + 64)`` of each query tile: the pipelined online-softmax loop.
 
     ``args`` are the kernel's buffers, barriers and runtime arguments, the same for every
@@ -299,7 +322,10 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     ``DESCALES[0 / 1 / 2, b, hk]`` scale the scores and the output, P is cast to e4m3 after
     the max offset ``2^OFFSET``, V's tiles are K-major ``[HEAD_DIM, BLOCK_N]``, and each
     tile's P V is a fresh wgmma accumulator added in fp32 (the FP8 wgmma accumulates at
-    reduced precision, so chaining tiles in it drops a long row's small terms).
+    reduced precision, so chaining tiles in it drops a long row's small terms).  Beside the
+    output a whole fresh accumulator does not fit at d = 256: there the output is ``PV_CHUNKS``
+    accumulators of ``HEAD_DIM // PV_CHUNKS`` columns, and a tile's P V is issued chunk by chunk
+    into one fresh accumulator of that width (``_take_pv``).
     """
     (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
      O, LSE, CU_Q, CU_K, DESCALES, ALIBI, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
@@ -323,17 +349,20 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     # The K step of one wgmma: 32 one-byte elements, 16 two-byte ones.
     K_STEP: gl.constexpr = 32 if FP8 else 16
     # P as the loop carries it from its softmax to the next step's P V GEMM: FP8's e4m3, or with
-    # P_FP16 fp16, cast to e4m3 at the GEMM (``_pv_mma``).
+    # P_FP16 fp16, cast to e4m3 where the GEMM is issued (``mma_dtype``).
     p_dtype: gl.constexpr = (gl.float16 if P_FP16 else gl.float8e4nv) if FP8 else dtype
+    mma_dtype: gl.constexpr = gl.float8e4nv if FP8 else dtype
+    # The output's columns per accumulator (the whole head dim but for FP8 at d = 256).
+    COLS: gl.constexpr = HEAD_DIM // PV_CHUNKS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, K_STEP])
+                                                       instr_shape=[16, COLS, K_STEP])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # 16-byte stores: each thread writes 8 consecutive columns of a row.
     VEC: gl.constexpr = 8
-    TPC: gl.constexpr = HEAD_DIM // VEC if HEAD_DIM // VEC < 32 else 32
+    TPC: gl.constexpr = COLS // VEC if COLS // VEC < 32 else 32
     store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPC, TPC], [4, 1], [1, 0])
 
     # K/V tiles consumed, across work items: the ring's slot and phase, and the ping-pong
@@ -361,7 +390,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
             offs_m = m0 + row_off + gl.arange(0, ROWS, layout=row_layout)
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            accs = (gl.zeros([ROWS, COLS], gl.float32, layout=o_layout),) * PV_CHUNKS
             lo, full_lo, full_hi, before, n_mine, after = consumer_tiles(
                 m0 + row_off, item_lo, n_tiles, sq, sk, window_left, window_right, ROWS, BLOCK_N, MASK_LEFT,
                 MASK_RIGHT)
@@ -397,7 +426,8 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                     qk = warpgroup_mma(q, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
                                    is_async=True)
                     mbarrier.wait(v_ready.index(prev), ((c - 1) // NUM_STAGES) & 1)
-                    pv = _pv_mma(p_prev, v_bufs.index(prev), acc, o_layout, BLOCK_N, HEAD_DIM, FP8)
+                    p_mma = p_prev.to(mma_dtype)
+                    pv = _pv_mma(p_mma, v_bufs.index(prev), accs[0], 0, o_layout, BLOCK_N, HEAD_DIM, FP8)
                     hand_turn(their_turn, PINGPONG)
                     # wgmma groups retire in order: S_j is ready while P_{j-1} V_{j-1} still runs.
                     qk, pv = warpgroup_mma_wait(1, deps=[qk, pv])
@@ -408,28 +438,31 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                                                         BLOCK_N, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                                                         OFFSET, SOFTMAX_OWN_BLOCK)
                     pv = warpgroup_mma_wait(0, deps=[pv])
-                    mbarrier.arrive(v_empty.index(prev), count=1)
                     if FP8:
                         # A tile's P V comes in a fresh accumulator: the sum stays one tile behind
                         # the running max (in the frame of P_{j-1}'s max, as P_{j-1} V_{j-1} is),
                         # so taking it on is one FMA: acc * alpha_{j-1} + P_{j-1} V_{j-1}.
-                        acc = acc * gl.expand_dims(gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout)), 1) + pv
+                        accs = _take_pv(accs, pv, p_mma, v_bufs.index(prev), v_empty.index(prev), alpha_prev, o_layout,
+                                        BLOCK_N, HEAD_DIM)
                     else:
-                        acc = pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                        mbarrier.arrive(v_empty.index(prev), count=1)
+                        accs = (pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1),)
                     p_prev = p_operand(p_c, p_layout, p_dtype, KEY_ORDER)
                 count = end
                 # The query tile is no longer read: its buffer may take a later item's tile.
                 mbarrier.arrive(q_empty_b, count=1)
                 last = (count - 1) % NUM_STAGES
                 mbarrier.wait(v_ready.index(last), ((count - 1) // NUM_STAGES) & 1)
-                pv = _pv_mma(p_prev, v_bufs.index(last), acc, o_layout, BLOCK_N, HEAD_DIM, FP8)
+                p_mma = p_prev.to(mma_dtype)
+                pv = _pv_mma(p_mma, v_bufs.index(last), accs[0], 0, o_layout, BLOCK_N, HEAD_DIM, FP8)
                 pv = warpgroup_mma_wait(0, deps=[pv])
-                mbarrier.arrive(v_empty.index(last), count=1)
                 if FP8:
                     # Into the last tile's frame, with its P V: the running max's.
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1) + pv
+                    accs = _take_pv(accs, pv, p_mma, v_bufs.index(last), v_empty.index(last), alpha, o_layout, BLOCK_N,
+                                    HEAD_DIM)
                 else:
-                    acc = pv
+                    mbarrier.arrive(v_empty.index(last), count=1)
+                    accs = (pv,)
             else:
                 mbarrier.arrive(q_empty_b, count=1)
             pass_tiles(count, count + after, my_turn, their_turn, k_ready, k_empty, v_ready, v_empty, PINGPONG)
@@ -448,14 +481,15 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
             lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i)) - OFFSET) * LN2)
             lse_base = b.to(gl.int64) * stride_lb + h * stride_lh + q_start
             gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < sq)
-            out = acc * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
-            out = gl.where(gl.expand_dims(gl.convert_layout(empty, gl.SliceLayout(1, o_layout)), 1), 0.0, out)
-            out = gl.convert_layout(out.to(O.dtype.element_ty), store_layout)
-            rows = m0 + row_off + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, store_layout))
-            o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_om
-            ptrs = O + o_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-            gl.store(ptrs, out, mask=gl.expand_dims(rows < sq, 1) & gl.expand_dims(cols < headdim, 0))
+            for chunk in gl.static_range(PV_CHUNKS):
+                out = accs[chunk] * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
+                out = gl.where(gl.expand_dims(gl.convert_layout(empty, gl.SliceLayout(1, o_layout)), 1), 0.0, out)
+                out = gl.convert_layout(out.to(O.dtype.element_ty), store_layout)
+                rows = m0 + row_off + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+                cols = chunk * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, store_layout))
+                o_base = b.to(gl.int64) * stride_ob + h * stride_oh + q_start.to(gl.int64) * stride_om
+                ptrs = O + o_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+                gl.store(ptrs, out, mask=gl.expand_dims(rows < sq, 1) & gl.expand_dims(cols < headdim, 0))
 
 
 # ``section_heads`` varies with the shape and only causal calls read it: not specialised, so
@@ -472,7 +506,7 @@ def attention_fwd_kernel(
     Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
     OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, P_FP16: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, SOFTMAX_OWN_BLOCK: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, SOFTMAX_OWN_BLOCK: gl.constexpr, PV_CHUNKS: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -518,19 +552,19 @@ def attention_fwd_kernel(
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
             (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -641,6 +675,7 @@ def kernel_constexprs(cfg: HopperConfig, hd: int, window_left: int, window_right
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0, KEY_ORDER=False,
         P_FP16=False, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, SOFTMAX_OWN_BLOCK=cfg.softmax_own_block,
+        PV_CHUNKS=1,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
 

@@ -28,7 +28,7 @@ from flashtile.kernels.hopper import attention_fp8 as fp8
 from flashtile.kernels.hopper import attention_fwd as fwd
 from flashtile.kernels.hopper import staged_softmax as staged
 from flashtile.kernels.sass import TARGET, report
-HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
+HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128, 256)}
 # Spilled bytes (stores, and the stack frame) tolerated per (kernel, head dim); anything beyond
 # is a register-pressure regression and fails the check (docs/tuning.md has the numbers):
 # * forward: ptxas keeps a few scalars of the persistent work-item loop in local memory in
@@ -51,19 +51,26 @@ HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128), "fp8": (64, 128)}
 # * its dQ pass (``attention_bwd_dq``): a few words of the persistent item loop beside the dQ
 #   accumulator (d = 256: 0-12 bytes, 16 with a two-slot K ring; d = 128 causal 20);
 # * the FP8 forward: the output, the tile's P V accumulator and the scores leave a few words in
-#   local memory (0-16 bytes by default, 20 in the ``key_order=0`` alternative, at d = 128).
+#   local memory (0-16 bytes by default, 20 in the ``key_order=0`` alternative, at d = 128; at
+#   d = 256, with the output in 32-column chunks, 44-96 bytes stored outside the key loop).
 SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 256): 32,
                       ("backward", 64): 776, ("backward", 128): 704, ("backward_wide", 256): 64,
                       ("backward_dq", 64): 32, ("backward_dq", 128): 32, ("backward_dq", 256): 32,
-                      ("fp8", 64): 32, ("fp8", 128): 48}
+                      ("fp8", 64): 32, ("fp8", 128): 48, ("fp8", 256): 104}
 
 # Alternatives with a budget of their own (kernel, spec): the wide-head backward on a persistent
 # grid keeps its per-tile values and ring counts beside dK and dV (offline ptxas, d = 256:
 # 112-208 bytes spilled against 24-56 for one program per tile; a few words reloaded a step).
-# The FP8 forward with the softmax under the P V GEMM (P carried as fp16): at d = 128 non-causal
-# 128 bytes, stored and reloaded around each work item's first key tile, none in the key loop
-# (offline SASS; 0-8 bytes at the other head dims and masks).
-ALTERNATIVE_SPILL_BUDGET = {("backward_wide", "persistent=1"): 224, ("fp8", "softmax_under_pv=1"): 128}
+# The FP8 forward with the softmax under the P V GEMM (P carried as fp16): 0-16 bytes at d = 64
+# and causal d = 128; with a head dim's own budget (keyed by head dim too) where it holds more
+# beside the output, as do the other alternatives listed: d = 128 non-causal 408 bytes (with the
+# default's turns and 64-column output chunks); at d = 256, 292 / 592 bytes (non-causal /
+# causal), P carried as e4m3 192 / 248, 64- and 128-column P V chunks 620-700 and 300-464, much
+# of it in the key loop (offline SASS, docs/tuning.md).
+ALTERNATIVE_SPILL_BUDGET = {("backward_wide", "persistent=1"): 224, ("fp8", "softmax_under_pv=1"): 32,
+                            ("fp8", "softmax_under_pv=1", 128): 416, ("fp8", "softmax_under_pv=1", 256): 600,
+                            ("fp8", "p_fp16=0", 256): 256, ("fp8", "pv_cols=64", 256): 704,
+                            ("fp8", "pv_cols=128", 256): 472}
 
 # The forward with a softcap or ALiBi (``compile_forward(softcap=..., alibi=...)``): the
 # softcap's tanh and ALiBi's key distances beside the score tile leave a few words of the
@@ -240,12 +247,13 @@ def uses_wgmma(variant: dict) -> bool:
 def spill_budget(variant: dict) -> int:
     """Spilled bytes tolerated for one ``variants()`` entry: ``SPILL_STORE_BUDGET``, or
     ``SCORE_MOD_SPILL_BUDGET`` for a forward with a softcap or ALiBi, or an alternative's own
-    ``ALTERNATIVE_SPILL_BUDGET``."""
+    ``ALTERNATIVE_SPILL_BUDGET`` (its head dim's where it has one)."""
     if variant["kernel"] == "softmax":
         return 0
     if variant.get("softcap") or variant.get("alibi"):
         return SCORE_MOD_SPILL_BUDGET[variant["hd"]]
-    own = ALTERNATIVE_SPILL_BUDGET.get((variant["kernel"], variant.get("alternative", "")))
+    alternative = (variant["kernel"], variant.get("alternative", ""))
+    own = ALTERNATIVE_SPILL_BUDGET.get(alternative + (variant["hd"],), ALTERNATIVE_SPILL_BUDGET.get(alternative))
     return own if own is not None else SPILL_STORE_BUDGET[variant["kernel"], variant["hd"]]
 
 
@@ -284,7 +292,8 @@ def variants():
         yield dict(kernel="forward", hd=64, causal=causal, window=window, varlen=varlen, dtype="bf16",
                    two_consumers=True)
     for alternative, causal, hd in itertools.product(fp8.ALTERNATIVES, (False, True), HEAD_DIMS["fp8"]):
-        yield dict(kernel="fp8", hd=hd, causal=causal, alternative=alternative)
+        if not fp8.is_default(hd, causal, alternative):
+            yield dict(kernel="fp8", hd=hd, causal=causal, alternative=alternative)
     for alternative, (causal, window), varlen, hd in itertools.product(
             bwd.ALTERNATIVES, ((False, False), (True, False), (False, True)), (False, True), HEAD_DIMS["backward"]):
         if bwd.config_from_spec(hd, alternative) == bwd.config_for(hd):

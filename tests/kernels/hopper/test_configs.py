@@ -69,6 +69,27 @@ def test_fp8_alternatives_apply_their_changes(spec, causal):
         assert getattr(changed, name) == value
 
 
+@pytest.mark.parametrize("spec", attention_fp8.ALTERNATIVES)
+def test_fp8_alternatives_launch_another_kernel_somewhere(spec):
+    # An alternative that launches the default's kernel at every head dim and mask would be
+    # compiled, tested and timed for nothing; where it does at one, those steps skip it.
+    assert not all(attention_fp8.is_default(hd, causal, spec) for hd in (64, 128, 256) for causal in (False, True))
+    assert attention_fp8.is_default(128, False, "")
+
+
+@pytest.mark.parametrize("spec", ["", *attention_fp8.ALTERNATIVES])
+@pytest.mark.parametrize("hd", [32, 64, 128, 256])
+def test_fp8_output_chunks_tile_the_head_dim(spec, hd):
+    # The output's column chunks cover the head dim exactly, each a multiple of a wgmma's 8
+    # columns; d = 256 keeps its output in chunks (a whole P V accumulator does not fit beside it).
+    for causal in (False, True):
+        cfg = attention_fp8.config_from_spec(hd, causal, spec)
+        chunks = cfg.pv_chunks(hd)
+        assert chunks >= 1 and hd % chunks == 0 and (hd // chunks) % 8 == 0
+        if hd == 256 and "pv_cols" not in spec:
+            assert chunks > 1 and cfg.block_n == 64
+
+
 @pytest.mark.parametrize("spec", attention_bwd.ALTERNATIVES)
 def test_backward_alternatives_differ_from_the_default(spec):
     # Some knobs differ by head dim (the dQ writer runs at d = 128 only): an alternative must
