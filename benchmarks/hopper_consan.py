@@ -65,7 +65,8 @@ CASES += [("fp8", 128, 700, 24, False, spec) for spec in attention_fp8.ALTERNATI
           if not attention_fp8.is_default(128, False, spec)]
 CASES += [("fp8", 128, 700, 24, True, "block_n=128")]
 # d = 256: the output in column chunks, each chunk's P V issued and waited for in turn.
-CASES += [("fp8", 256, 300, 48, causal, "") for causal in (False, True)] + [("fp8", 256, 300, 48, False, "pv_cols=64")]
+CASES += [("fp8", 256, 300, 48, causal, "") for causal in (False, True)]
+CASES += [("fp8", 256, 300, 48, False, spec) for spec in ("pv_cols=64", "pv_depth=2")]
 # The short causal cases at d = 128 keep the dQ workspace (engine.separate_dq would give them the
 # separate dQ pass, whose kernels the deterministic case runs), so the configurations are exercised.
 engine.SEPARATE_DQ_MAX_ROWS = 0

@@ -75,6 +75,9 @@ class HopperFp8Config(RegisterBudget):
     # chunk into one fresh accumulator of a chunk's width (d = 256: the whole head dim's would
     # not fit beside the output).
     pv_cols: int = 0
+    # Output chunks' P V GEMMs in flight at a time after the first (1: each waited for before
+    # the next issues; 2: the next issued before the wait, in a second fresh accumulator).
+    pv_depth: int = 1
 
     def pv_chunks(self, head_dim_pad: int) -> int:
         """The output's column chunks at ``head_dim_pad``."""
@@ -114,7 +117,7 @@ def config_for(head_dim_pad: int, causal: bool) -> HopperFp8Config:
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs), compiled offline
 # in CI, checked by the GPU tests and timed by ``benchmarks/bench_fp8.py`` (docs/tuning.md).
 ALTERNATIVES = ("key_order=0", "block_n=64", "pingpong=0", "pingpong=1", "softmax_under_pv=1", "p_fp16=0",
-                "pv_cols=64", "pv_cols=128")
+                "pv_cols=64", "pv_cols=128", "pv_depth=2")
 
 
 def is_default(head_dim_pad: int, causal: bool, spec: str) -> bool:
@@ -189,5 +192,7 @@ def kernel_constexprs(cfg: HopperFp8Config, hd: int, causal: bool, max_offset: b
         MASK_RIGHT=bool(causal), VARLEN=False, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, FP8=True, OFFSET=MAX_OFFSET if max_offset else 0,
         KEY_ORDER=cfg.key_order, P_FP16=cfg.p_fp16, HAS_SOFTCAP=False, HAS_ALIBI=False,
-        SOFTMAX_OWN_BLOCK=cfg.softmax_under_pv, PV_CHUNKS=cfg.pv_chunks(hd), num_warps=4, maxnreg=cfg.maxnreg,
+        SOFTMAX_OWN_BLOCK=cfg.softmax_under_pv, PV_CHUNKS=cfg.pv_chunks(hd),
+        PV_DEPTH=cfg.pv_depth if cfg.pv_chunks(hd) > 2 else 1,  # two chunks: the second alone follows the first
+        num_warps=4, maxnreg=cfg.maxnreg,
     )

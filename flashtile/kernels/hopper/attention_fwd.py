@@ -284,21 +284,29 @@ def _pv_mma(p, v_buf, acc, chunk: gl.constexpr, o_layout: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _take_pv(accs, pv, p, v_buf, v_empty, alpha, o_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-             HEAD_DIM: gl.constexpr):
+             HEAD_DIM: gl.constexpr, DEPTH: gl.constexpr):
     """FP8: ``acc_c * alpha + P V_c`` for each column chunk ``c`` of the output, the V slot
     ``v_buf`` released (``v_empty``) once its last GEMM is waited for.  ``pv`` is chunk 0's
-    product, already waited for; each later chunk's GEMM is issued and waited for here, one at a
-    time (its fresh accumulator's registers are reused), its chunk of the output rescaled while
-    the GEMM runs."""
+    product, already waited for; the later chunks' GEMMs are issued here into fresh
+    accumulators, ``DEPTH`` of them in flight at a time (1: each waited for before the next
+    issues, its registers reused), each chunk of the output rescaled while its GEMM runs."""
     CHUNKS: gl.constexpr = len(accs)
     scale = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     if CHUNKS == 1:
         mbarrier.arrive(v_empty, count=1)
     taken = (accs[0] * scale + pv,)
+    if CHUNKS > 1:
+        pending = _pv_mma(p, v_buf, accs[1], 1, o_layout, BLOCK_N, HEAD_DIM, True)
     for c in gl.static_range(1, CHUNKS):
-        pv_c = _pv_mma(p, v_buf, accs[c], c, o_layout, BLOCK_N, HEAD_DIM, True)
+        if DEPTH == 1 and c > 1:
+            pending = _pv_mma(p, v_buf, accs[c], c, o_layout, BLOCK_N, HEAD_DIM, True)
         acc_c = accs[c] * scale
-        pv_c = warpgroup_mma_wait(0, deps=[pv_c])
+        if DEPTH > 1 and c + 1 < CHUNKS:
+            issued = _pv_mma(p, v_buf, accs[c + 1], c + 1, o_layout, BLOCK_N, HEAD_DIM, True)
+            # Groups retire in order: chunk c is done while chunk c + 1 runs.
+            pv_c, pending = warpgroup_mma_wait(1, deps=[pending, issued])
+        else:
+            pv_c = warpgroup_mma_wait(0, deps=[pending])
         if c == CHUNKS - 1:
             mbarrier.arrive(v_empty, count=1)
         taken = taken + (acc_c + pv_c,)
@@ -309,7 +317,7 @@ def _take_pv(accs, pv, p, v_buf, v_empty, alpha, o_layout: gl.constexpr, BLOCK_N
 def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr, OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr,
               P_FP16: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-              SOFTMAX_OWN_BLOCK: gl.constexpr, PV_CHUNKS: gl.constexpr):
+              SOFTMAX_OWN_BLOCK: gl.constexpr, PV_CHUNKS: gl.constexpr, PV_DEPTH: gl.constexpr):
     """Rows ``[64 * INDEX, 64 * INDEX + 64)`` of each query tile: the pipelined online-softmax loop.
 
     ``args`` are the kernel's buffers, barriers and runtime arguments, the same for every
@@ -443,7 +451,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                         # the running max (in the frame of P_{j-1}'s max, as P_{j-1} V_{j-1} is),
                         # so taking it on is one FMA: acc * alpha_{j-1} + P_{j-1} V_{j-1}.
                         accs = _take_pv(accs, pv, p_mma, v_bufs.index(prev), v_empty.index(prev), alpha_prev, o_layout,
-                                        BLOCK_N, HEAD_DIM)
+                                        BLOCK_N, HEAD_DIM, PV_DEPTH)
                     else:
                         mbarrier.arrive(v_empty.index(prev), count=1)
                         accs = (pv * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1),)
@@ -459,7 +467,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
                 if FP8:
                     # Into the last tile's frame, with its P V: the running max's.
                     accs = _take_pv(accs, pv, p_mma, v_bufs.index(last), v_empty.index(last), alpha, o_layout, BLOCK_N,
-                                    HEAD_DIM)
+                                    HEAD_DIM, PV_DEPTH)
                 else:
                     mbarrier.arrive(v_empty.index(last), count=1)
                     accs = (pv,)
@@ -507,6 +515,7 @@ def attention_fwd_kernel(
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8: gl.constexpr,
     OFFSET: gl.constexpr, KEY_ORDER: gl.constexpr, P_FP16: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr, SOFTMAX_OWN_BLOCK: gl.constexpr, PV_CHUNKS: gl.constexpr,
+    PV_DEPTH: gl.constexpr,
 ):
     # Work items (query tile, batch * head) are dealt round-robin to the programs: with one
     # program per SM the producer loads the next item while the consumers store this one.
@@ -552,19 +561,24 @@ def attention_fwd_kernel(
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS,
+                         PV_DEPTH)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS,
+                         PV_DEPTH)),
             (_consumer, (consumer, 2, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS,
+                         PV_DEPTH)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (consumer, 0, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS,
+                         PV_DEPTH)),
             (_consumer, (consumer, 1, MASK_LEFT, MASK_RIGHT, VARLEN, PINGPONG, FP8, OFFSET, KEY_ORDER, P_FP16,
-                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS)),
+                         HAS_SOFTCAP, HAS_ALIBI, SOFTMAX_OWN_BLOCK, PV_CHUNKS,
+                         PV_DEPTH)),
             (_producer, (producer, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -675,7 +689,7 @@ def kernel_constexprs(cfg: HopperConfig, hd: int, window_left: int, window_right
         MASK_LEFT=window_left >= 0, MASK_RIGHT=window_right >= 0, VARLEN=varlen, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, FP8=False, OFFSET=0, KEY_ORDER=False,
         P_FP16=False, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, SOFTMAX_OWN_BLOCK=cfg.softmax_own_block,
-        PV_CHUNKS=1,
+        PV_CHUNKS=1, PV_DEPTH=1,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
 

@@ -66,11 +66,12 @@ SPILL_STORE_BUDGET = {("forward", 64): 336, ("forward", 128): 40, ("forward", 25
 # beside the output, as do the other alternatives listed: d = 128 non-causal 408 bytes (with the
 # default's turns and 64-column output chunks); at d = 256, 292 / 592 bytes (non-causal /
 # causal), P carried as e4m3 192 / 248, 64- and 128-column P V chunks 620-700 and 300-464, much
-# of it in the key loop (offline SASS, docs/tuning.md).
+# of it in the key loop, two chunks' GEMMs in flight 120 / 160 (a few words a key step; offline
+# SASS, docs/tuning.md).
 ALTERNATIVE_SPILL_BUDGET = {("backward_wide", "persistent=1"): 224, ("fp8", "softmax_under_pv=1"): 32,
                             ("fp8", "softmax_under_pv=1", 128): 416, ("fp8", "softmax_under_pv=1", 256): 600,
                             ("fp8", "p_fp16=0", 256): 256, ("fp8", "pv_cols=64", 256): 704,
-                            ("fp8", "pv_cols=128", 256): 472}
+                            ("fp8", "pv_cols=128", 256): 472, ("fp8", "pv_depth=2", 256): 160}
 
 # The forward with a softcap or ALiBi (``compile_forward(softcap=..., alibi=...)``): the
 # softcap's tanh and ALiBi's key distances beside the score tile leave a few words of the
