@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh [part ...]
 # parts:
 #   tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax
-#   wide_bwd hopper alternatives consan consan_fp8 profile_bwd deterministic memory host training
+#   wide_bwd hopper alternatives consan consan_fp8 fp8_gluon profile_bwd deterministic memory host training
 #   parity_tests features generate few_rows decode decode_host decode_iam tune_decode kvcache_tests
 #   strided_tests fp8 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -77,6 +77,17 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
         -q -p no:cacheprovider -p no:warnings ;;
     consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fwd bwd ;;
     consan_fp8) run hopper_consan_fp8 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fp8 ;;
+    fp8_gluon)  # the Gluon FP8 forward: its GPU tests (alternatives included) with ConSan beside them, then the
+                # default against each of attention_fp8.ALTERNATIVES, the tl.* kernel and bf16, best of two in turns
+      env TRITON_INSTRUMENTATION_MODE=consan timeout 330 python3 benchmarks/hopper_consan.py fp8 \
+        > "$RES/hopper_consan_fp8.log" 2>&1 &
+      run fp8_gluon_tests 240 python3 -m pytest tests/kernels/test_attention_fp8.py -m gpu -k gluon -n 11 -q \
+        -p no:cacheprovider -p no:warnings $HANG
+      wait
+      echo "    consan: $(grep -c ': ok' "$RES/hopper_consan_fp8.log") ok, $(tail -n 1 "$RES/hopper_consan_fp8.log" | cut -c1-200)"
+      run fp8_gluon_ab 240 python3 benchmarks/bench_fp8.py --headdims 128 256 --seqlens 4096 16384 --rounds 2 \
+        --impls bf16,fp8,fp8_pretransposed,fp8_gluon --out "$RES/fp8_gluon_ab" \
+        --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)") ;;
     profile_bwd) run profile_fwd_bwd 150 python3 benchmarks/profile_fwd_bwd.py --seqlens 512 1024 2048 16384 --causal 0 1 \
                    --out "$RES/profile_fwd_bwd.jsonl" ;;  # kernels and idle time of one forward + backward
     host) run host_fwd_bwd 120 python3 benchmarks/profile_host_fwd_bwd.py --out "$RES/host_fwd_bwd.jsonl" ;;  # host us per call
