@@ -333,7 +333,7 @@ def _consumer(args, INDEX: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl
     reduced precision, so chaining tiles in it drops a long row's small terms).  Beside the
     output a whole fresh accumulator does not fit at d = 256: there the output is ``PV_CHUNKS``
     accumulators of ``HEAD_DIM // PV_CHUNKS`` columns, and a tile's P V is issued chunk by chunk
-    into one fresh accumulator of that width (``_take_pv``).
+    into fresh accumulators of that width, ``PV_DEPTH`` of them in flight (``_take_pv``).
     """
     (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
      O, LSE, CU_Q, CU_K, DESCALES, ALIBI, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
