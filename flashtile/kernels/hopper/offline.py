@@ -276,9 +276,10 @@ def variants():
             yield dict(kernel=kernel, hd=hd, causal=causal, window=window, varlen=varlen, dtype=dtype)
     for hd, causal in itertools.product(HEAD_DIMS["fp8"], (False, True)):  # dense, e4m3 only
         yield dict(kernel="fp8", hd=hd, causal=causal)
-    # The alternative configurations, in bf16 (the dtype changes no register or barrier of
-    # theirs): the forward's and FP8's (the softmax's exp2) on dense inputs up to d = 128, where
-    # the exp2 units bound the tile; the backward's everywhere the backward runs.
+    # The alternative configurations: the 16-bit forward's in bf16 (the dtype changes no
+    # register or barrier of theirs) on dense inputs up to d = 128, where the exp2 units bound
+    # the tile; FP8's at every head dim where one launches another kernel than the default; the
+    # backward's everywhere the backward runs.
     for alternative, causal, hd in itertools.product(fwd.ALTERNATIVES, (False, True), (64, 128)):
         yield dict(kernel="forward", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16",
                    alternative=alternative)
