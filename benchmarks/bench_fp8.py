@@ -87,6 +87,7 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
     from flashtile.bench.common import environment, standard_batch_heads
     from flashtile.bench.gpu import attention_flops
     from flashtile.fp8 import flash_attn_fp8_func, transpose_v
+    from flashtile.kernels.engine import forward_engine, fp8_forward_engine, short_masked
     from flashtile.kernels.attention_fp8 import (
         attention_fp8_forward,
         fwd_config,
@@ -147,8 +148,14 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
                                      partial(hopper_fp8.forward, q8, k8, v_in, qd, kd, vd, scale, causal=causal,
                                              config=cfg, v_in_key_order=cfg.key_order)))
                 timed = []
+                # Which engine ("gluon" or "triton") each row's forward ran on: the public
+                # functions' choice (engine.py), the kernels' own for the rest.
+                paths = {"bf16": forward_engine(q, k, short=short_masked(seqlen, -1, 0 if causal else -1)),
+                         "fp8": fp8_forward_engine(q8), "fp8_pretransposed": "triton", "fp8_v_in_kernel": "triton"}
                 for impl, dtype, cfg, fn in runs:
                     rec = {**base, "impl": impl, "dtype": dtype}
+                    if impl != "v_transpose":
+                        rec["path"] = paths.get(impl, "gluon")
                     if impl in ("fp8_pretransposed", "fp8_v_in_kernel"):
                         rec["tiles"] = _tiles_label(cfg) if cfg is not None else \
                             _tiles_label(fwd_config(padded_headdim(headdim), causal, impl == "fp8_pretransposed"))
