@@ -151,7 +151,8 @@ def run(seqlens, headdims, causals, impls, tiles, nheads_k_div=1, progress=True,
                 # Which engine ("gluon" or "triton") each row's forward ran on: the public
                 # functions' choice (engine.py), the kernels' own for the rest.
                 paths = {"bf16": forward_engine(q, k, short=short_masked(seqlen, -1, 0 if causal else -1)),
-                         "fp8": fp8_forward_engine(q8), "fp8_pretransposed": "triton", "fp8_v_in_kernel": "triton"}
+                         "fp8": fp8_forward_engine(q8, causal), "fp8_pretransposed": "triton",
+                         "fp8_v_in_kernel": "triton"}
                 for impl, dtype, cfg, fn in runs:
                     rec = {**base, "impl": impl, "dtype": dtype}
                     if impl != "v_transpose":

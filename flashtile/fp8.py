@@ -49,7 +49,7 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     if v.is_cuda and v.element_size() == 1 and v.numel():
         from flashtile.kernels.attention_fp8 import transpose_v_into
 
-        transpose_v_into(v, out)
+        transpose_v_into(v, buf)  # the padding too (zeros): the stores then go 16 bytes at a time
     else:
         out.copy_(v.permute(0, 2, 3, 1))
     return out
@@ -154,7 +154,7 @@ def flash_attn_fp8_func(
         if q.device.type == "cuda":
             from flashtile.kernels.engine import fp8_forward_engine
 
-            engine = fp8_forward_engine(q)
+            engine = fp8_forward_engine(q, causal)
         if q.device.type == "cuda" and engine == "gluon":
             from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
             from flashtile.kernels.tma import tma_ready

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashtile.kernels.launch import launch
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, online_max
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, next_power_of_2
@@ -211,51 +212,53 @@ def fwd_config(head_dim_pad: int, causal: bool, v_transposed: bool = True, inter
 
 
 @triton.jit
-def _transpose_v_kernel(V, VT, seqlen_k, nheads_k, headdim, s_vb, s_vn, s_vh, s_vd, s_tb, s_th, s_td,
+def _transpose_v_kernel(V, VT, seqlen_k, keys_out, nheads_k, headdim, s_vb, s_vn, s_vh, s_vd, s_tb, s_th, s_td,
                         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, KEY_BITS: tl.constexpr):
-    """One tile of ``VT[b, h, dims, keys] = V[b, keys, h, dims]`` (bytes): a 2-D transpose per
-    (batch, kv head), through shared memory so that both the loads (along the head dim) and
-    the stores (along the keys) stay contiguous.
+    """One tile of ``VT[b, h, dims, keys] = V[b, keys, h, dims]`` (bytes), the keys from
+    ``seqlen_k`` to ``keys_out`` zero: a 2-D transpose per (batch, kv head), through shared
+    memory so that both the loads (along the head dim) and the stores (along the keys) stay
+    contiguous.  A ``keys_out`` that is a multiple of 16 lets the stores go 16 bytes at a time.
 
-    With ``KEY_BITS`` (the Gluon FP8 forward's key order, ``fp8_key_order.KEY_BITS_ORDER``) each
-    key lands at its place in that order within its 16 keys, and the keys are zero-padded to a
-    multiple of 16: bit ``3 - i`` of the place is bit ``3 - KEY_BITS[i]`` of the key."""
+    With ``KEY_BITS`` (the Gluon FP8 forward's key order, ``fp8_key_order.KEY_BITS_ORDER``) the
+    keys of every 16 are stored in that order: bit ``3 - i`` of a key's place is bit
+    ``3 - KEY_BITS[i]`` of the key.  The tile is reordered in registers, so that the stores
+    keep their contiguous addresses."""
     bh = tl.program_id(2)
     b = (bh // nheads_k).to(tl.int64)
     h = (bh % nheads_k).to(tl.int64)
     keys = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (keys[:, None] < seqlen_k) & (dims[None, :] < headdim)
-    tile = tl.load(V + b * s_vb + h * s_vh + keys[:, None].to(tl.int64) * s_vn + dims[None, :] * s_vd, mask=ok,
-                   other=0)
-    if KEY_BITS is None:
-        place, stored = keys, ok
-    else:
-        place = keys & -16
-        for i in tl.static_range(4):
-            place += ((keys >> (3 - KEY_BITS[i])) & 1) << (3 - i)
-        stored = (keys[:, None] < tl.cdiv(seqlen_k, 16) * 16) & (dims[None, :] < headdim)
-    dst = VT + b * s_tb + h * s_th + dims[:, None].to(tl.int64) * s_td + place[None, :]
-    tl.store(dst, tl.trans(tile), mask=tl.trans(stored))
+    tile = tl.trans(tl.load(V + b * s_vb + h * s_vh + keys[:, None].to(tl.int64) * s_vn + dims[None, :] * s_vd,
+                            mask=ok, other=0))
+    if KEY_BITS is not None:
+        grouped = tl.reshape(tile, (BLOCK_D, BLOCK_K // 16, 2, 2, 2, 2))
+        tile = tl.reshape(tl.permute(grouped, (0, 1, 2 + KEY_BITS[0], 2 + KEY_BITS[1], 2 + KEY_BITS[2],
+                                               2 + KEY_BITS[3])), (BLOCK_D, BLOCK_K))
+    stored = (dims[:, None] < headdim) & (keys[None, :] < keys_out)
+    tl.store(VT + b * s_tb + h * s_th + dims[:, None].to(tl.int64) * s_td + keys[None, :], tile, mask=stored)
 
 
 def transpose_v_into(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None = None) -> None:
     """``out[b, h, d, n] = v[b, n, h, d]`` for one-byte ``v`` (any strides) and ``out`` with
     unit key stride: the kernel behind ``flashtile.fp8.transpose_v`` on the GPU (a torch
-    permute-copy of fp8 runs at ~0.37 TB/s; docs/fp8.md).  With ``key_bits`` the keys are
-    stored in that order within every 16 (``_transpose_v_kernel``), and ``out`` holds the keys
-    zero-padded to a multiple of 16."""
+    permute-copy of fp8 runs at ~0.37 TB/s; docs/fp8.md).  ``out`` holds ``seqlen_k`` keys, or
+    that many zero-padded to a multiple of 16 (stored 16 bytes at a time); with ``key_bits``
+    the latter, the keys of every 16 stored in that order (``_transpose_v_kernel``)."""
     batch, seqlen_k, nheads_k, headdim = v.shape
+    padded = cdiv(seqlen_k, 16) * 16
     if out.stride(-1) != 1:
         raise ValueError(f"out must have unit stride along the keys, got strides {tuple(out.stride())}")
-    if key_bits is not None and out.shape[-1] != cdiv(seqlen_k, 16) * 16:
-        raise ValueError(f"out must hold {cdiv(seqlen_k, 16) * 16} keys in key order, got {out.shape[-1]}")
+    if out.shape[-1] not in ((padded,) if key_bits is not None else (seqlen_k, padded)):
+        raise ValueError(f"out must hold {padded} keys{' in key order' if key_bits is not None else ''}, "
+                         f"got {out.shape[-1]}")
     vb, tb = v.view(torch.uint8), out.view(torch.uint8)  # bytes: no fp8 arithmetic happens here
     block_k = 16 if INTERPRET else 128
     block_d = min(16 if INTERPRET else 128, next_power_of_2(headdim))
-    grid = (cdiv(seqlen_k, block_k), cdiv(headdim, block_d), batch * nheads_k)
-    _transpose_v_kernel[grid](vb, tb, seqlen_k, nheads_k, headdim, *vb.stride(), tb.stride(0), tb.stride(1),
-                              tb.stride(2), BLOCK_K=block_k, BLOCK_D=block_d, KEY_BITS=key_bits, num_warps=4)
+    grid = (cdiv(out.shape[-1], block_k), cdiv(headdim, block_d), batch * nheads_k)
+    launch(_transpose_v_kernel, grid, (vb, tb, seqlen_k, out.shape[-1], nheads_k, headdim, *vb.stride(),
+                                       tb.stride(0), tb.stride(1), tb.stride(2)),
+           dict(BLOCK_K=block_k, BLOCK_D=block_d, KEY_BITS=key_bits, num_warps=4))
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
@@ -294,13 +297,12 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
     grid = (cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
-    _attn_fwd_fp8[grid](
+    launch(_attn_fwd_fp8, grid, (
         descriptor(q_, cfg.block_m, hd), descriptor(k_, cfg.block_n, hd), v_desc,
         descriptor(out, cfg.block_m, hd), lse, q_descale, k_descale, v_descale,
         *_descale_strides(q_descale), *_descale_strides(k_descale), *_descale_strides(v_descale),
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
-        HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
-        OFFSET=MAX_OFFSET if max_offset else 0, V_TRANSPOSED=bool(v_transposed), EXACT_ROUNDING=INTERPRET,
-        **cfg.launch_options(),
-    )
+    ), dict(HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
+            OFFSET=MAX_OFFSET if max_offset else 0, V_TRANSPOSED=bool(v_transposed), EXACT_ROUNDING=INTERPRET,
+            **cfg.launch_options()))
     return out, lse

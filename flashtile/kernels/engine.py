@@ -277,24 +277,32 @@ def backward_engine(q: torch.Tensor, k: torch.Tensor, dropout=None, softcap: flo
 # The Gluon FP8 forward keeps the output and each tile's P V accumulator in registers: head
 # dims up to 256 (at 256 the P V accumulator a chunk of the output's columns at a time).
 GLUON_FP8_MAX_HEADDIM = 256
-# ``auto`` takes the Gluon FP8 forward above this head dim (``fp8_forward_engine``).
+# ``auto`` takes the Gluon FP8 forward above this head dim, and above
+# ``GLUON_FP8_AUTO_MIN_HEADDIM`` for non-causal calls of at least ``GLUON_FP8_AUTO_MIN_ROWS``
+# query rows (``fp8_forward_engine``).
 GLUON_FP8_AUTO_ABOVE_HEADDIM = 128
+GLUON_FP8_AUTO_MIN_HEADDIM = 65
+GLUON_FP8_AUTO_MIN_ROWS = 2048
 
 
-def fp8_forward_engine(q: torch.Tensor) -> str:
+def fp8_forward_engine(q: torch.Tensor, causal: bool = False) -> str:
     """``"gluon"`` or ``"triton"`` for ``flash_attn_fp8_func`` on ``q``'s device (e4m3 inputs).
 
-    ``auto`` takes the Gluon kernel above d = 128, where it runs at twice the ``tl.*`` kernel's
-    speed (H100, d = 256, V pre-transposed, best of three runs in turns, N = 4k / 16k:
-    non-causal 910 / 955 TFLOP/s against 457 / 484, causal 832 / 947 against 417 / 487), and
-    keeps the ``tl.*`` one up to d = 128: at d = 64 the Gluon kernel is slower in every run
-    (N = 16k, non-causal: 490 against 561), at d = 128 the two are within run-to-run spread
-    non-causal (868 against 846) and ``tl.*`` is ahead causal (N = 16k: 828 against 740;
-    docs/tuning.md).  ``gluon`` forces the Gluon kernel where it can run the call (else
+    ``auto`` takes the Gluon kernel above d = 128, where it runs at about twice the ``tl.*``
+    kernel's speed (H100, d = 256, V pre-transposed, N = 4k / 16k: non-causal 910 / 955 TFLOP/s
+    against 457 / 484, causal 832 / 947 against 417 / 487), and at d = 65-128 for non-causal
+    calls from 2048 query rows (four H100 runs, N = 4k / 16k: 2-11 % ahead, e.g. 881 against
+    793 at N = 16k; 754 against 694 at N = 2k, but 551 against 606 at N = 1k).  The ``tl.*``
+    kernel keeps the rest: causal d = 128 (N = 16k: 756 against 761, 740 against 828), d = 64
+    (slower Gluon in every run: N = 16k non-causal 481 against 585) and short calls
+    (docs/tuning.md).  ``gluon`` forces the Gluon kernel where it can run the call (else
     ``NotImplementedError``), ``triton`` the ``tl.*`` one.
     """
     wanted = requested_engine()
-    if wanted == "triton" or (wanted != "gluon" and q.shape[-1] <= GLUON_FP8_AUTO_ABOVE_HEADDIM):
+    d = q.shape[-1]
+    pays = d > GLUON_FP8_AUTO_ABOVE_HEADDIM or (
+        d >= GLUON_FP8_AUTO_MIN_HEADDIM and not causal and q.shape[1] >= GLUON_FP8_AUTO_MIN_ROWS)
+    if wanted == "triton" or (wanted != "gluon" and not pays):
         return "triton"
     reason = None if q.is_cuda else "the tensors are not on a CUDA device"
     if reason is None:

@@ -230,6 +230,12 @@ def test_transpose_v_kernel(shape):
     want = v.view(torch.uint8).permute(0, 2, 3, 1)
     assert torch.equal(out.view(torch.uint8), want)
     assert (buf[..., shape[1]:] == 7).all()
+    # The padded form (what transpose_v hands it): the keys past seqlen_k zero.
+    kf8.transpose_v_into(v, buf.view(torch.float8_e4m3fn))
+    assert torch.equal(buf[..., : shape[1]], want)
+    assert (buf[..., shape[1]:] == 0).all()
+    with pytest.raises(ValueError, match=f"must hold {padded} keys"):
+        kf8.transpose_v_into(v, torch.empty_like(buf)[..., :-1].view(torch.float8_e4m3fn))
 
 
 @needs_kernels

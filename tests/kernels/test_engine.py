@@ -196,11 +196,17 @@ def test_fp8_takes_the_tl_kernel_unless_gluon_is_forced(monkeypatch):
         engine.fp8_forward_engine(q)
 
 
-def test_fp8_takes_the_gluon_kernel_above_d128_on_hopper(monkeypatch):
+def test_fp8_takes_the_gluon_kernel_above_d128_and_long_unmasked_calls_on_hopper(monkeypatch):
     monkeypatch.setattr(engine, "gluon_device_reason", lambda index: None)
     monkeypatch.setenv(engine.ENGINE_ENV, "auto")
     for d, expected in ((256, "gluon"), (192, "gluon"), (136, "gluon"), (128, "triton"), (64, "triton")):
         assert engine.fp8_forward_engine(_HopperStandIn(1, 4, 2, d)) == expected, d
+    # d = 65-128: non-causal calls of GLUON_FP8_AUTO_MIN_ROWS query rows or more.
+    rows = engine.GLUON_FP8_AUTO_MIN_ROWS
+    for d, n, causal, expected in ((128, rows, False, "gluon"), (80, rows, False, "gluon"),
+                                   (128, rows - 1, False, "triton"), (128, rows, True, "triton"),
+                                   (64, rows, False, "triton"), (256, 1, True, "gluon")):
+        assert engine.fp8_forward_engine(_HopperStandIn(1, n, 2, d), causal) == expected, (d, n, causal)
     monkeypatch.setenv(engine.ENGINE_ENV, "triton")
     assert engine.fp8_forward_engine(_HopperStandIn(1, 4, 2, 256)) == "triton"
     monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
