@@ -133,8 +133,9 @@ def flash_attn_fp8_func(
         forward only.
 
     CUDA tensors run an FP8 kernel (both GEMMs on FP8 tensor cores, P rounded to e4m3): the
-    ``tl.*`` one, or with ``FLASHTILE_ENGINE=gluon`` on Hopper the Gluon one (head dims up to
-    128, V transposed on the host).  CPU tensors
+    ``tl.*`` one, or on Hopper the Gluon one (V transposed on the host) for head dims above 128
+    and non-causal calls of at least 2048 query rows at head dims 65-128
+    (``engine.fp8_forward_engine``; ``FLASHTILE_ENGINE`` forces either).  CPU tensors
     dequantise to float32 and run the tiled CPU attention, which does not round P -- the
     value the GPU result approximates.
     """
