@@ -97,6 +97,7 @@ def run_gpu(data, batch, seqlen, nheads, headdim, causal):
     import flashtile
     from flashtile.bench.common import environment
     from flashtile.fp8 import flash_attn_fp8_func, quantize_fp8
+    from flashtile.kernels.engine import forward_engine, fp8_forward_engine, short_masked
 
     env = environment("cuda")
     records = []
@@ -105,22 +106,27 @@ def run_gpu(data, batch, seqlen, nheads, headdim, causal):
         ref_out, ref_lse = reference(q, k, v, causal)
         base = {"bench": "fp8_accuracy", "data": kind, "batch": batch, "nheads": nheads, "seqlen": seqlen,
                 "headdim": headdim, "causal": causal, "reference": "float64 on the fp32 inputs"}
-        out, lse = flashtile.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal, return_lse=True)
-        records.append({**base, "impl": "bf16", "dtype": "bfloat16", **error_stats(out, ref_out),
+        qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+        out, lse = flashtile.flash_attn_func(qb, kb, vb, causal=causal, return_lse=True)
+        # Which engine ("gluon" or "triton") each row ran on (engine.py's choice).
+        bf16_path = forward_engine(qb, kb, short=short_masked(seqlen, -1, 0 if causal else -1))
+        records.append({**base, "impl": "bf16", "dtype": "bfloat16", "path": bf16_path, **error_stats(out, ref_out),
                         "lse_max_abs": (lse.double() - ref_lse).abs().max().item(), **env})
         for impl, granularity, offset in (("fp8_no_offset", "tensor", False), ("fp8", "tensor", True),
                                           ("fp8_head", "head", True)):
             (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t, granularity) for t in (q, k, v))
             out, lse = flash_attn_fp8_func(q8, k8, v8, qd, kd, vd, causal=causal, return_lse=True, max_offset=offset)
             deq_out, _ = reference(dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd), causal)
-            records.append({**base, "impl": impl, "dtype": "float8_e4m3fn", "granularity": granularity,
+            records.append({**base, "impl": impl, "dtype": "float8_e4m3fn", "path": fp8_forward_engine(q8, causal),
+                            "granularity": granularity,
                             "max_offset": offset, **error_stats(out, ref_out), **error_stats(out, deq_out, "kernel_"),
                             "lse_max_abs": (lse.double() - ref_lse).abs().max().item(), **env})
         for r in records[-4:]:
+            kernel = (f" | kernel-only rmse {r['kernel_rmse']:.3e} max {r['kernel_max_abs']:.3e}"
+                      if "kernel_rmse" in r else "")
             print(f"{r['data']:13s} {r['impl']:14s} rmse {r['rmse']:.3e} max {r['max_abs']:.3e} "
-                  f"mean {r['mean_err']:+.1e} rel {r['rel_rmse']:.3e}" + (f" | kernel-only rmse {r['kernel_rmse']:.3e} max {r['kernel_max_abs']:.3e}"
-                                                 if "kernel_rmse" in r else "")
-                  + f" | lse max {r['lse_max_abs']:.2e}", flush=True)
+                  f"mean {r['mean_err']:+.1e} rel {r['rel_rmse']:.3e}{kernel} | lse max {r['lse_max_abs']:.2e}",
+                  flush=True)
     return records
 
 
