@@ -291,7 +291,7 @@ def fp8_forward_engine(q: torch.Tensor, causal: bool = False) -> str:
     ``auto`` takes the Gluon kernel above d = 128, where it runs at about twice the ``tl.*``
     kernel's speed (H100, d = 256, V pre-transposed, N = 4k / 16k: non-causal 910 / 955 TFLOP/s
     against 457 / 484, causal 832 / 947 against 417 / 487), and at d = 65-128 for non-causal
-    calls from 2048 query rows (four H100 runs, N = 4k / 16k: 2-11 % ahead, e.g. 881 against
+    calls from 2048 query rows (three H100 runs, N = 4k / 16k: 2-11 % ahead, e.g. 881 against
     793 at N = 16k; 754 against 694 at N = 2k, but 551 against 606 at N = 1k).  The ``tl.*``
     kernel keeps the rest: causal d = 128 (N = 16k: 756 against 761, 740 against 828), d = 64
     (slower Gluon in every run: N = 16k non-causal 481 against 585) and short calls
