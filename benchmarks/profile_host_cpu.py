@@ -30,7 +30,8 @@ host) costs nothing here: compare such paths on a GPU (``profile_decode_host.py`
 (batch 1, cache 1k, 32 / 4 heads, d = 128, bf16, one query row): ``kvcache`` /
 ``kvcache+append`` / ``kvcache+append+rotary``, contiguous or paged16, int or tensor
 ``cache_seqlens``; ``func``: ``flash_attn_func`` at (1, 128, 8, 64), eager (``torch.no_grad``
-and not) and its custom-op dispatch.  Then a cProfile of one case.
+and not) and its custom-op dispatch; ``fp8 func``: ``flash_attn_fp8_func`` at (1, 128, 8, 128)
+and (1, 128, 8, 256).  Then a cProfile of one case.
 
     python benchmarks/profile_host_cpu.py [--calls 20000] [--profile kvcache+append] [--json out.jsonl]
 """
@@ -197,6 +198,15 @@ def cases(batch=1, cache=1024, nheads=32, nheads_k=4, d=128, dtype=torch.bfloat1
     tq2, tk2, tv2 = (torch.randn(1, 128, 8, 128, dtype=dtype) for _ in range(3))
     yield "func (1,128,8,128) gluon", lambda: flashtile.flash_attn_func(tq2, tk2, tv2)
     yield "func growing cache, 8 layers", growing_cache_decode(dtype)
+    # flash_attn_fp8_func at (1, 128, 8, d): the tl.* kernel at d = 128, the Gluon one (with
+    # the V transpose into its key order) at d = 256.  The descales are CPU tensors here, so
+    # the validation's positivity check (made on CPU descales only) runs, as on a GPU it does not.
+    from flashtile.fp8 import flash_attn_fp8_func
+
+    for hd, engine in ((128, "tl.*"), (256, "gluon")):
+        q8, k8, v8 = (torch.randn(1, 128, 8, hd).to(torch.float8_e4m3fn) for _ in range(3))
+        ones = torch.ones(1)
+        yield f"fp8 func (1,128,8,{hd}) {engine}", functools.partial(flash_attn_fp8_func, q8, k8, v8, ones, ones, ones)
 
 
 def growing_cache_decode(dtype, layers=8, start=4096, heads=16, heads_k=4, d=128):

@@ -152,11 +152,11 @@ def flash_attn_fp8_func(
     max_offset = validation.check_bool("max_offset", max_offset)
 
     with torch.no_grad():
-        if q.device.type == "cuda":
+        if q.is_cuda:
             from flashtile.kernels.engine import fp8_forward_engine
 
             engine = fp8_forward_engine(q, causal)
-        if q.device.type == "cuda" and engine == "gluon":
+        if q.is_cuda and engine == "gluon":
             from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
             from flashtile.kernels.tma import tma_ready
 
@@ -170,7 +170,7 @@ def flash_attn_fp8_func(
             out, lse = hopper_fp8.forward(tma_ready(q), tma_ready(k), v, q_descale, k_descale, v_descale,
                                           softmax_scale, causal=causal, max_offset=max_offset,
                                           v_in_key_order=in_key_order)
-        elif q.device.type == "cuda":
+        elif q.is_cuda:
             from flashtile.kernels.attention_fp8 import attention_fp8_forward
 
             if v_transposed:

@@ -23,7 +23,7 @@ def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
     summary = run_stubbed_tests_in_child(__file__)
-    assert "9 passed, 1 skipped" in summary, summary
+    assert "12 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -221,3 +221,37 @@ def test_a_call_recording_autograd_skips_both_ops_only_when_nothing_needs_them(s
     assert not calls  # nothing records autograd: the forward launcher alone
 
 
+
+
+@in_child
+@pytest.mark.parametrize("headdim, engine", [(128, "triton"), (256, "gluon")])
+def test_fp8_calls_launch_directly_after_the_first(stub, headdim, engine):
+    from flashtile.fp8 import flash_attn_fp8_func
+    from flashtile.kernels.engine import fp8_forward_engine
+
+    q, k, v = (torch.randn(1, 128, 8, headdim).to(torch.float8_e4m3fn) for _ in range(3))
+    assert fp8_forward_engine(q) == engine
+    ones = torch.ones(1)
+    for _ in range(4):
+        flash_attn_fp8_func(q, k, v, ones, ones, ones)
+    # Two kernels a call, V's transpose and the attention: the first call of each compiles.
+    assert stub["ordinary"] == 2 and stub["direct"] == 6
+
+
+@in_child
+def test_fp8_box_descriptors_are_the_checked_constructors():
+    """The Gluon FP8 forward's descriptors, built without TensorDescriptor's checks where the
+    cheap test passes, hold what the checked constructor makes; a box that fails the test goes
+    through the constructor (which raises)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashtile.kernels.hopper.descriptors import _nvmma_layout, box_descriptor
+
+    v_t = torch.zeros(2, 4, 256, 1024, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for t, block in ((v_t, (1, 1, 256, 64)), (v_t.permute(0, 2, 1, 3)[:, :128], (1, 64, 1, 256))):
+        fast = box_descriptor(t, block)
+        checked = TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _nvmma_layout(block, t.dtype))
+        assert fast.__dict__ == checked.__dict__
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        box_descriptor(v_t[..., 1:], (1, 1, 256, 64))  # a base one byte in: not 16-byte aligned

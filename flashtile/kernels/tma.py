@@ -42,21 +42,27 @@ def descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDes
 
 def checks_pass(shape: list, strides: list, t: torch.Tensor, rows: int, hd: int) -> bool:
     """Whether ``TensorDescriptor``'s constructor checks would pass for a ``[1, rows, 1, hd]``
-    box over ``t`` (``shape``, ``strides``: ``t``'s): 4-D, non-empty, unit last stride,
-    16-byte aligned base and strides, a valid box.  They cost microseconds per descriptor, so
-    the launchers build a descriptor without them where this cheap test passes (and through
-    the checked constructor, which raises, where it does not)."""
+    box over ``t`` (``shape``, ``strides``: ``t``'s): :func:`box_checks_pass` of that box."""
+    return box_checks_pass(shape, strides, t, (1, rows, 1, hd))
+
+
+def box_checks_pass(shape: list, strides: list, t: torch.Tensor, block: tuple) -> bool:
+    """Whether ``TensorDescriptor``'s constructor checks would pass for a 4-D ``block`` over
+    ``t`` (``shape``, ``strides``: ``t``'s): 4-D, non-empty, unit last stride, 16-byte aligned
+    base and strides, a valid box.  They cost microseconds per descriptor, so the launchers
+    build a descriptor without them where this cheap test passes (and through the checked
+    constructor, which raises, where it does not)."""
     elt = t.element_size()
     return not (len(shape) != 4 or 0 in shape or strides[-1] != 1 or t.data_ptr() & 15
-                or any((s * elt) & 15 for s in strides[:-1]) or not _valid_box(rows, hd))
+                or any((s * elt) & 15 for s in strides[:-1]) or not _valid_box(block))
 
 
 @functools.lru_cache(maxsize=None)
-def _valid_box(rows: int, hd: int) -> bool:
+def _valid_box(block: tuple) -> bool:
     from triton._utils import validate_block_shape
 
     try:
-        validate_block_shape([1, rows, 1, hd])
+        validate_block_shape(list(block))
     except (AssertionError, ValueError):
         return False
     return True

@@ -30,11 +30,10 @@ import dataclasses
 import functools
 
 import torch
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel
+from flashtile.kernels.hopper.descriptors import box_descriptor, descriptor
 from flashtile.kernels.hopper.fp8_key_order import wgmma_key_order
 from flashtile.kernels.launch import launch
 from flashtile.kernels.runtime import cdiv, l2_bytes, next_power_of_2, sm_count
@@ -139,15 +138,6 @@ def padded_headdim(d: int) -> int:
     return max(32, next_power_of_2(d))
 
 
-@functools.lru_cache(maxsize=None)
-def _layout(block: tuple):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
-
-
-def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(tuple(block)))
-
-
 def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=False, max_offset=True, config=None,
             v_in_key_order=False):
     """The FP8 forward on Hopper: ``q (b, nq, h, d)``, ``k (b, nk, hk, d)`` e4m3 with TMA-ready
@@ -174,8 +164,8 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
     # Through the launch layer: after the first call of a class the compiled kernel is launched
     # directly (Triton's per-call dispatch costs more host time than a short call's kernel).
     launch(attention_fwd_kernel, (programs,), (
-        _descriptor(q, [1, cfg.query_box_rows, 1, hd]), _descriptor(k, [1, cfg.block_n, 1, hd]),
-        _descriptor(v_t, [1, 1, hd, cfg.block_n]), out, lse, lse, lse, descales,
+        descriptor(q, cfg.query_box_rows, hd), descriptor(k, cfg.block_n, hd),
+        box_descriptor(v_t, (1, 1, hd, cfg.block_n)), out, lse, lse, lse, descales,
         out.stride(0), out.stride(1), out.stride(2), nheads * seqlen_q, seqlen_q, descales.stride(0),
         descales.stride(1), seqlen_q, seqlen_k, seqlen_q, nheads, nheads // nheads_k, d, softmax_scale * LOG2E,
         -1, 0 if causal else -1, num_items,
