@@ -71,6 +71,39 @@ def _transpose_v_key_ordered(v: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Launch plans of the Gluon path (``hopper_fp8.dense_plan``), by the calls' shapes, strides,
+# device, descale layouts, scale, flags and configuration: a model calls with a handful of
+# shapes many times, and a plan's call skips the per-call work of the general path.  Made at
+# the first Gluon call: this module imports where Triton is absent (a CPU-only install).
+_plans = None
+
+
+def _gluon_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, cfg):
+    """The plan for this call (``flashtile.kernels.plans.PlanCache``: a key's second call builds
+    it), or None: the general path."""
+    global _plans
+    from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache
+
+    if _plans is None:
+        _plans = PlanCache()
+    key = (q.shape, q.stride(), q.device, k.shape, k.stride(), v.shape, v.stride(), q_descale.shape,
+           q_descale.stride(), k_descale.shape, k_descale.stride(), v_descale.shape, v_descale.stride(),
+           softmax_scale, causal, max_offset, cfg)
+    plan = _plans.plans.get(key)
+    if plan is None:
+        from flashtile.kernels.hopper.attention_fp8 import dense_plan
+
+        plan = _plans.decide(key, lambda: dense_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+                                                     max_offset), ready=not (q.data_ptr() | k.data_ptr()) & 15)
+    return None if plan is NO_PLAN or plan is PENDING else plan
+
+
+def clear_plans() -> None:
+    """Forget the Gluon path's launch plans (after a test changes what a plan was built from)."""
+    if _plans is not None:
+        _plans.clear()
+
+
 def _tma_ready_vt(v_t: torch.Tensor) -> torch.Tensor:
     """A transposed V whose base and outer strides are 16-byte aligned (TMA), copied only if needed."""
     ok = (v_t.stride(-1) == 1 and v_t.data_ptr() % 16 == 0
@@ -162,14 +195,22 @@ def flash_attn_fp8_func(
 
             # The Gluon kernel reads V transposed only (its tiles land K-major as they are), with
             # its keys in the P operand's order where the configuration asks for it.
-            key_order = hopper_fp8.config_for(hopper_fp8.padded_headdim(headdim), causal).key_order
-            if v_transposed:
-                v, in_key_order = _tma_ready_vt(v), False
+            cfg = hopper_fp8.config_for(hopper_fp8.padded_headdim(headdim), causal)
+            result = None
+            if not v_transposed:
+                plan = _gluon_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, cfg)
+                if plan is not None:
+                    result = plan(q, k, v, q_descale, k_descale, v_descale)
+            if result is not None:
+                out, lse = result
             else:
-                v, in_key_order = (_transpose_v_key_ordered(v) if key_order else transpose_v(v)), key_order
-            out, lse = hopper_fp8.forward(tma_ready(q), tma_ready(k), v, q_descale, k_descale, v_descale,
-                                          softmax_scale, causal=causal, max_offset=max_offset,
-                                          v_in_key_order=in_key_order)
+                if v_transposed:
+                    v, in_key_order = _tma_ready_vt(v), False
+                else:
+                    v, in_key_order = (_transpose_v_key_ordered(v) if cfg.key_order else transpose_v(v)), cfg.key_order
+                out, lse = hopper_fp8.forward(tma_ready(q), tma_ready(k), v, q_descale, k_descale, v_descale,
+                                              softmax_scale, causal=causal, max_offset=max_offset,
+                                              v_in_key_order=in_key_order)
         elif q.is_cuda:
             from flashtile.kernels.attention_fp8 import attention_fp8_forward
 

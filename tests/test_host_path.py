@@ -23,7 +23,7 @@ def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
     summary = run_stubbed_tests_in_child(__file__)
-    assert "12 passed, 1 skipped" in summary, summary
+    assert "14 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -255,3 +255,61 @@ def test_fp8_box_descriptors_are_the_checked_constructors():
         assert fast.__dict__ == checked.__dict__
     with pytest.raises(AssertionError, match="16-byte aligned"):
         box_descriptor(v_t[..., 1:], (1, 1, 256, 64))  # a base one byte in: not 16-byte aligned
+
+
+def _launch_record(args):
+    """What a launch's arguments say, tensors by layout and descriptors by their fields."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", tuple(a.shape), a.stride(), a.dtype)
+        if hasattr(a, "block_shape"):
+            return ("descriptor", type(a), one(a.base), a.shape, a.strides, a.block_shape, a.padding,
+                    getattr(a, "layout", None))
+        return a
+    return [one(a) for a in args]
+
+
+@in_child
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_plan_launches_what_the_general_path_launches(stub, monkeypatch, causal):
+    """flash_attn_fp8_func's Gluon plan (built at a key's second call) passes the kernels the
+    arguments, grid and constexprs of the general path (the first call), its descriptors built
+    from templates over the call's tensors."""
+    from flashtile import fp8
+    from flashtile.kernels import attention_fp8 as tl_fp8
+    from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
+
+    launches = []
+    real_launch = launch_mod.launch
+
+    def recording_launch(kernel, grid, args, options, dynamic=()):
+        launches.append((kernel, grid, _launch_record(args), options))
+        real_launch(kernel, grid, args, options, dynamic)
+
+    def recording_bind(kernel, grid, options, args, dynamic=(), tail_from=None):
+        bound = launch_mod.bind(kernel, grid, options, args, dynamic, tail_from)
+
+        def call(head):
+            launches.append((kernel, grid, _launch_record(bound.arguments(head)), options))
+            bound(head)
+        return call
+
+    monkeypatch.setattr(hopper_fp8, "launch", recording_launch)
+    monkeypatch.setattr(tl_fp8, "launch", recording_launch)
+    monkeypatch.setattr(hopper_fp8, "bind", recording_bind)
+    fp8.clear_plans()
+    q, k, v = (torch.randn(2, 200, 8, 256).to(torch.float8_e4m3fn) for _ in range(3))
+    descales = torch.ones(2, 8), torch.ones(1), torch.rand(2, 8) + 0.5
+    for _ in range(3):
+        fp8.flash_attn_fp8_func(q, k, v, *descales, causal=causal)
+    assert len(launches) == 6  # the transpose and the forward, three times
+    assert fp8._plans.plans and all(callable(p) for p in fp8._plans.plans.values())
+    assert launches[2] == launches[0] and launches[4] == launches[0]  # the transposes
+    assert launches[3] == launches[1] and launches[5] == launches[1]  # the forwards
+    # A q whose base is not 16-byte aligned (same key): the plan declines, the general path
+    # copies q into an aligned buffer and launches the same.
+    unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    unaligned.copy_(q)
+    fp8.flash_attn_fp8_func(unaligned, k, v, *descales, causal=causal)
+    assert len(launches) == 8 and launches[6] == launches[0] and launches[7] == launches[1]
+    fp8.clear_plans()

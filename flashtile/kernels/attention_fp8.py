@@ -245,6 +245,13 @@ def transpose_v_into(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None 
     permute-copy of fp8 runs at ~0.37 TB/s; docs/fp8.md).  ``out`` holds ``seqlen_k`` keys, or
     that many zero-padded to a multiple of 16 (stored 16 bytes at a time); with ``key_bits``
     the latter, the keys of every 16 stored in that order (``_transpose_v_kernel``)."""
+    launch(_transpose_v_kernel, *transpose_v_launch(v, out, key_bits))
+
+
+def transpose_v_launch(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None = None) -> tuple:
+    """:func:`transpose_v_into`'s ``(grid, runtime arguments, constexprs)`` (its checks first); the
+    first two arguments are ``v`` and ``out`` as bytes, the rest follow from their shapes and
+    strides (what a launch plan binds)."""
     batch, seqlen_k, nheads_k, headdim = v.shape
     padded = cdiv(seqlen_k, 16) * 16
     if out.stride(-1) != 1:
@@ -256,9 +263,8 @@ def transpose_v_into(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None 
     block_k = 16 if INTERPRET else 128
     block_d = min(16 if INTERPRET else 128, next_power_of_2(headdim))
     grid = (cdiv(out.shape[-1], block_k), cdiv(headdim, block_d), batch * nheads_k)
-    launch(_transpose_v_kernel, grid, (vb, tb, seqlen_k, out.shape[-1], nheads_k, headdim, *vb.stride(),
-                                       tb.stride(0), tb.stride(1), tb.stride(2)),
-           dict(BLOCK_K=block_k, BLOCK_D=block_d, KEY_BITS=key_bits, num_warps=4))
+    return (grid, (vb, tb, seqlen_k, out.shape[-1], nheads_k, headdim, *vb.stride(), tb.stride(0), tb.stride(1),
+                   tb.stride(2)), dict(BLOCK_K=block_k, BLOCK_D=block_d, KEY_BITS=key_bits, num_warps=4))
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:

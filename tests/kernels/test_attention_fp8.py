@@ -374,3 +374,22 @@ def test_pretransposed_v_gives_the_same_bits_gpu(headdim):
     out = flash_attn_fp8_func(q8, k8, v8, qd, kd, vd, causal=True)
     out_t = flash_attn_fp8_func(q8, k8, transpose_v(v8), qd, kd, vd, causal=True, v_transposed=True)
     assert torch.equal(out, out_t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim, causal", [(256, False), (256, True), (128, False)])
+def test_gluon_fp8_launch_plan_gives_the_general_paths_bits_gpu(headdim, causal, monkeypatch):
+    # flash_attn_fp8_func's Gluon path builds a launch plan at a key's second call and launches
+    # from it after: the same bits (output and LSE) as the general path on every call.
+    _engine(monkeypatch, "gluon", headdim)
+    from flashtile import fp8
+
+    inputs = [_quantized_inputs(2, 300, 333, 8, 2, headdim, "head", seed=seed) for seed in range(3)]
+    fp8.clear_plans()
+    planned = [flash_attn_fp8_func(*x, causal=causal, return_lse=True) for x in inputs]
+    assert fp8._plans.plans and all(callable(p) for p in fp8._plans.plans.values())
+    for x, (out, lse) in zip(inputs, planned):
+        fp8.clear_plans()  # the key's first call again: the general path
+        want_out, want_lse = flash_attn_fp8_func(*x, causal=causal, return_lse=True)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    fp8.clear_plans()

@@ -34,10 +34,11 @@ import torch
 from flashtile.kernels.hopper import RegisterBudget, configured
 from flashtile.kernels.hopper.attention_fwd import CONSUMER_ROWS, attention_fwd_kernel
 from flashtile.kernels.hopper.descriptors import box_descriptor, descriptor
-from flashtile.kernels.hopper.fp8_key_order import wgmma_key_order
-from flashtile.kernels.launch import launch
+from flashtile.kernels.hopper.fp8_key_order import KEY_BITS_ORDER, wgmma_key_order
+from flashtile.kernels.launch import bind, launch, placeholder
 from flashtile.kernels.runtime import cdiv, l2_bytes, next_power_of_2, sm_count
 from flashtile.kernels.tile_info import work_schedule
+from flashtile.kernels.tma import DescriptorTemplate
 
 LOG2E = 1.4426950408889634
 # log2 of the factor P is scaled by before its e4m3 cast: 2^8 = 256 <= 448.
@@ -146,34 +147,110 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
     FP8 kernel does.  A configuration with ``key_order`` reads V with its keys in the P
     operand's order: made here from ``v_t``, or ``v_t`` already is (``v_in_key_order``, from
     :func:`wgmma_key_order`)."""
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    hd = padded_headdim(d)
-    cfg = config or config_for(hd, bool(causal))
-    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
-    num_items = cdiv(seqlen_q, cfg.block_m) * batch * nheads
-    if num_items == 0:
-        return out, lse
-    # (q, k, v) descales as one (3, batch, nheads_k) table: the kernel reads [which, b, hk].
-    descales = torch.stack([x.reshape(-1, x.shape[-1] if x.dim() == 2 else 1).expand(batch, nheads_k)
-                            for x in (q_descale, k_descale, v_descale)]).contiguous()
+    cfg = config or config_for(padded_headdim(q.shape[-1]), bool(causal))
+    out, lse = _outputs(q)
     if cfg.key_order and not v_in_key_order:
         v_t = wgmma_key_order(v_t)
+    launched = _launch_args(q, k, out, lse, descale_table(q_descale, k_descale, v_descale, q.shape[0], k.shape[2]),
+                            softmax_scale, causal, max_offset, cfg)
+    if launched is not None:
+        # Through the launch layer: after the first call of a class the compiled kernel is
+        # launched directly (Triton's per-call dispatch costs more host time than a short
+        # call's kernel).
+        grid, rest, options = launched
+        hd = padded_headdim(q.shape[-1])
+        launch(attention_fwd_kernel, grid, (descriptor(q, cfg.query_box_rows, hd), descriptor(k, cfg.block_n, hd),
+                                            box_descriptor(v_t, (1, 1, hd, cfg.block_n))) + rest, options)
+    return out, lse
+
+
+def _outputs(q):
+    batch, seqlen_q, nheads, _ = q.shape
+    return (torch.empty(batch, seqlen_q, nheads, q.shape[-1], dtype=torch.bfloat16, device=q.device),
+            torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device))
+
+
+def descale_table(q_descale, k_descale, v_descale, batch: int, nheads_k: int) -> torch.Tensor:
+    """The (q, k, v) descales as one contiguous ``(3, batch, nheads_k)`` table: the kernel reads
+    ``[which, b, hk]``."""
+    return torch.stack([x.reshape(-1, x.shape[-1] if x.dim() == 2 else 1).expand(batch, nheads_k)
+                        for x in (q_descale, k_descale, v_descale)]).contiguous()
+
+
+def _launch_args(q, k, out, lse, descales, softmax_scale, causal, max_offset, cfg):
+    """``(grid, arguments, constexprs)`` of the kernel for these tensors, the arguments from the
+    fourth on (the first three are the q, k and V descriptors), or None for an empty call."""
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    num_items = cdiv(seqlen_q, cfg.block_m) * batch * nheads
+    if num_items == 0:
+        return None
     programs = min(num_items, sm_count(q.device.index))
-    # Through the launch layer: after the first call of a class the compiled kernel is launched
-    # directly (Triton's per-call dispatch costs more host time than a short call's kernel).
-    launch(attention_fwd_kernel, (programs,), (
-        descriptor(q, cfg.query_box_rows, hd), descriptor(k, cfg.block_n, hd),
-        box_descriptor(v_t, (1, 1, hd, cfg.block_n)), out, lse, lse, lse, descales,
+    unread = placeholder(q.device)  # no packed batch, no ALiBi
+    return (programs,), (
+        out, lse, unread, unread, descales,
         out.stride(0), out.stride(1), out.stride(2), nheads * seqlen_q, seqlen_q, descales.stride(0),
         descales.stride(1), seqlen_q, seqlen_k, seqlen_q, nheads, nheads // nheads_k, d, softmax_scale * LOG2E,
         -1, 0 if causal else -1, num_items,
         work_schedule(batch * nheads, nheads // nheads_k, seqlen_q, seqlen_k, 2 * d, cfg.block_m, cfg.block_n, -1,
                       0 if causal else -1, programs, l2_bytes(q.device.index) // 2),
-        lse, 0, 0.0, 0.0,  # no ALiBi, no softcap
-    ), kernel_constexprs(cfg, hd, causal, max_offset))
-    return out, lse
+        unread, 0, 0.0, 0.0,  # no ALiBi, no softcap
+    ), kernel_constexprs(cfg, padded_headdim(d), causal, max_offset)
+
+
+def dense_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset):
+    """The launch plan of ``flash_attn_fp8_func``'s Gluon path for calls with these shapes,
+    strides and device, descale shapes and strides, scale and flags (``flashtile.fp8`` keys its
+    plans by them and by :func:`config_for`'s configuration, which must have ``key_order``; V
+    in flash-attn's layout): a function ``(q, k, v, q_descale, k_descale, v_descale) -> (out,
+    lse)``, ``None`` for a call whose q or k base is not 16-byte aligned (the general path takes
+    it).  Per call it allocates V's copy in the key order, the descale table and the outputs and
+    makes two bound launches (``flashtile.kernels.launch.bind``): the transpose, and the forward
+    with its three descriptors built from templates; grids, arguments and constexprs are the
+    ones ``transpose_v_into`` and :func:`forward` compute.  ``None`` where no plan serves (an
+    empty call, strides TMA cannot read)."""
+    from flashtile.kernels.attention_fp8 import _transpose_v_kernel, transpose_v_launch
+    from flashtile.kernels.plans import stand_ins
+    from flashtile.kernels.tma import tma_strides
+
+    batch, seqlen_q, nheads, d = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    cfg = config_for(padded_headdim(d), bool(causal))
+    if not (cfg.key_order and tma_strides(q) and tma_strides(k) and q.numel() and k.numel()):
+        return None
+    device, hd = q.device, padded_headdim(d)
+    v_shape, out_shape, lse_shape = (batch, nheads_k, d, cdiv(seqlen_k, 16) * 16), (batch, seqlen_q, nheads, d), \
+        (batch, nheads, seqlen_q)
+    sample_vt, sample_out, sample_lse = stand_ins(device, (v_shape, v.dtype), (out_shape, torch.bfloat16),
+                                                  (lse_shape, torch.float32))
+    grid_t, args_t, options_t = transpose_v_launch(v, sample_vt, KEY_BITS_ORDER)
+    transpose = bind(_transpose_v_kernel, grid_t, options_t, args_t, tail_from=2)
+    sample_table = torch.empty(3, batch, nheads_k, dtype=torch.float32, device=device)
+    launched = _launch_args(q, k, sample_out, sample_lse, sample_table, softmax_scale, causal, max_offset, cfg)
+    if launched is None:
+        return None
+    grid, rest, options = launched
+    templates = (DescriptorTemplate(descriptor(q, cfg.query_box_rows, hd)),
+                 DescriptorTemplate(descriptor(k, cfg.block_n, hd)),
+                 DescriptorTemplate(box_descriptor(sample_vt, (1, 1, hd, cfg.block_n))))
+    # The head (tail_from=8): q, k and V's copy (as templates' tensors), the outputs, the two
+    # unread pointers and the descale table; the rest is the plan's own.
+    attend = bind(attention_fwd_kernel, grid, options, templates + rest, tail_from=8)
+    unread = rest[2]
+    empty, uint8, vt_dtype = torch.empty, torch.uint8, v.dtype
+
+    def run(q, k, v, q_descale, k_descale, v_descale):
+        if (q.data_ptr() | k.data_ptr()) & 15:
+            return None
+        v_t = empty(v_shape, dtype=vt_dtype, device=device)
+        transpose((v.view(uint8), v_t.view(uint8)))
+        out = empty(out_shape, dtype=torch.bfloat16, device=device)
+        lse = empty(lse_shape, dtype=torch.float32, device=device)
+        attend((q, k, v_t, out, lse, unread, unread,
+                descale_table(q_descale, k_descale, v_descale, batch, nheads_k)))
+        return out, lse
+
+    return run
 
 
 def kernel_constexprs(cfg: HopperFp8Config, hd: int, causal: bool, max_offset: bool = True) -> dict:
