@@ -71,35 +71,41 @@ def _transpose_v_key_ordered(v: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Launch plans of the Gluon path (``hopper_fp8.dense_plan``), by the calls' shapes, strides,
-# device, descale layouts, scale, flags and configuration: a model calls with a handful of
-# shapes many times, and a plan's call skips the per-call work of the general path.  Made at
-# the first Gluon call: this module imports where Triton is absent (a CPU-only install).
+# Launch plans of the GPU paths (``hopper_fp8.dense_plan``, ``attention_fp8.dense_plan``), by
+# the engine and the calls' shapes, strides, device, descale layouts, scale, flags and
+# configuration: a model calls with a handful of shapes many times, and a plan's call skips
+# the per-call work of the general path.  Made at the first GPU call: this module imports
+# where Triton is absent (a CPU-only install).
 _plans = None
 
 
-def _gluon_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, cfg):
-    """The plan for this call (``flashtile.kernels.plans.PlanCache``: a key's second call builds
-    it), or None: the general path."""
+def _plan(engine, q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, config):
+    """The plan for this call on ``engine`` (``config``: the Gluon kernel's configuration, or
+    for the ``tl.*`` kernel whether V is transposed on the host; if not, the kernel reads V by
+    TMA, so its base must be aligned for the plan's sample too), or None: the general path
+    (``flashtile.kernels.plans.PlanCache``: a key's second call builds the plan)."""
     global _plans
     from flashtile.kernels.plans import NO_PLAN, PENDING, PlanCache
 
     if _plans is None:
         _plans = PlanCache()
-    key = (q.shape, q.stride(), q.device, k.shape, k.stride(), v.shape, v.stride(), q_descale.shape,
+    key = (engine, q.shape, q.stride(), q.device, k.shape, k.stride(), v.shape, v.stride(), q_descale.shape,
            q_descale.stride(), k_descale.shape, k_descale.stride(), v_descale.shape, v_descale.stride(),
-           softmax_scale, causal, max_offset, cfg)
+           softmax_scale, causal, max_offset, config)
     plan = _plans.plans.get(key)
     if plan is None:
-        from flashtile.kernels.hopper.attention_fp8 import dense_plan
-
+        if engine == "gluon":
+            from flashtile.kernels.hopper.attention_fp8 import dense_plan
+        else:
+            from flashtile.kernels.attention_fp8 import dense_plan
         plan = _plans.decide(key, lambda: dense_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
-                                                     max_offset), ready=not (q.data_ptr() | k.data_ptr()) & 15)
+                                                     max_offset, *(() if engine == "gluon" else (config,))),
+                             ready=not (q.data_ptr() | k.data_ptr() | (v.data_ptr() if config is False else 0)) & 15)
     return None if plan is NO_PLAN or plan is PENDING else plan
 
 
 def clear_plans() -> None:
-    """Forget the Gluon path's launch plans (after a test changes what a plan was built from)."""
+    """Forget the GPU paths' launch plans (after a test changes what a plan was built from)."""
     if _plans is not None:
         _plans.clear()
 
@@ -189,37 +195,42 @@ def flash_attn_fp8_func(
             from flashtile.kernels.engine import fp8_forward_engine
 
             engine = fp8_forward_engine(q, causal)
-        if q.is_cuda and engine == "gluon":
-            from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
-            from flashtile.kernels.tma import tma_ready
+            # The plans' and the general path's setting: the Gluon kernel's configuration, or
+            # whether the tl.* kernel gets V transposed on the host (long query runs) or does it
+            # tile by tile itself.
+            if engine == "gluon":
+                from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
 
-            # The Gluon kernel reads V transposed only (its tiles land K-major as they are), with
-            # its keys in the P operand's order where the configuration asks for it.
-            cfg = hopper_fp8.config_for(hopper_fp8.padded_headdim(headdim), causal)
-            result = None
-            if not v_transposed:
-                plan = _gluon_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, cfg)
-                if plan is not None:
-                    result = plan(q, k, v, q_descale, k_descale, v_descale)
+                setting = hopper_fp8.config_for(hopper_fp8.padded_headdim(headdim), causal)
+            else:
+                setting = q.shape[1] * (nheads // nheads_k) >= HOST_TRANSPOSE_MIN_ROWS
+            plan = None if v_transposed else _plan(engine, q, k, v, q_descale, k_descale, v_descale, softmax_scale,
+                                                   causal, max_offset, setting)
+            result = plan(q, k, v, q_descale, k_descale, v_descale) if plan is not None else None
             if result is not None:
                 out, lse = result
-            else:
+            elif engine == "gluon":
+                from flashtile.kernels.tma import tma_ready
+
+                # The Gluon kernel reads V transposed only (its tiles land K-major as they are),
+                # with its keys in the P operand's order where the configuration asks for it.
                 if v_transposed:
                     v, in_key_order = _tma_ready_vt(v), False
                 else:
-                    v, in_key_order = (_transpose_v_key_ordered(v) if cfg.key_order else transpose_v(v)), cfg.key_order
+                    v, in_key_order = ((_transpose_v_key_ordered(v) if setting.key_order else transpose_v(v)),
+                                       setting.key_order)
                 out, lse = hopper_fp8.forward(tma_ready(q), tma_ready(k), v, q_descale, k_descale, v_descale,
                                               softmax_scale, causal=causal, max_offset=max_offset,
                                               v_in_key_order=in_key_order)
-        elif q.is_cuda:
-            from flashtile.kernels.attention_fp8 import attention_fp8_forward
+            else:
+                from flashtile.kernels.attention_fp8 import attention_fp8_forward
 
-            if v_transposed:
-                v = _tma_ready_vt(v)
-            elif q.shape[1] * (nheads // nheads_k) >= HOST_TRANSPOSE_MIN_ROWS:
-                v, v_transposed = transpose_v(v), True
-            out, lse = attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
-                                             causal=causal, max_offset=max_offset, v_transposed=v_transposed)
+                if v_transposed:
+                    v = _tma_ready_vt(v)
+                elif setting:
+                    v, v_transposed = transpose_v(v), True
+                out, lse = attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale,
+                                                 causal=causal, max_offset=max_offset, v_transposed=v_transposed)
         else:
             from flashtile import cpu
 

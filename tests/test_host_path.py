@@ -23,7 +23,7 @@ def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
     summary = run_stubbed_tests_in_child(__file__)
-    assert "14 passed, 1 skipped" in summary, summary
+    assert "16 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -270,11 +270,15 @@ def _launch_record(args):
 
 
 @in_child
-@pytest.mark.parametrize("causal", [False, True])
-def test_fp8_plan_launches_what_the_general_path_launches(stub, monkeypatch, causal):
-    """flash_attn_fp8_func's Gluon plan (built at a key's second call) passes the kernels the
-    arguments, grid and constexprs of the general path (the first call), its descriptors built
-    from templates over the call's tensors."""
+@pytest.mark.parametrize("headdim, seqlen_q, causal, kernels", [
+    (256, 200, False, 2), (256, 200, True, 2),  # Gluon: V's transpose into the key order, the forward
+    (128, 200, True, 2),  # tl.*: V transposed on the host, the forward
+    (128, 8, False, 1),  # tl.*: few rows, V transposed in the kernel
+])
+def test_fp8_plan_launches_what_the_general_path_launches(stub, monkeypatch, headdim, seqlen_q, causal, kernels):
+    """flash_attn_fp8_func's launch plans (built at a key's second call) pass the kernels the
+    arguments, grid and constexprs of the general path (the first call), the descriptors built
+    from templates over the call's tensors; an unaligned q goes the general way again."""
     from flashtile import fp8
     from flashtile.kernels import attention_fp8 as tl_fp8
     from flashtile.kernels.hopper import attention_fp8 as hopper_fp8
@@ -294,22 +298,19 @@ def test_fp8_plan_launches_what_the_general_path_launches(stub, monkeypatch, cau
             bound(head)
         return call
 
-    monkeypatch.setattr(hopper_fp8, "launch", recording_launch)
-    monkeypatch.setattr(tl_fp8, "launch", recording_launch)
-    monkeypatch.setattr(hopper_fp8, "bind", recording_bind)
+    for module in (hopper_fp8, tl_fp8):
+        monkeypatch.setattr(module, "launch", recording_launch)
+        monkeypatch.setattr(module, "bind", recording_bind)
     fp8.clear_plans()
-    q, k, v = (torch.randn(2, 200, 8, 256).to(torch.float8_e4m3fn) for _ in range(3))
-    descales = torch.ones(2, 8), torch.ones(1), torch.rand(2, 8) + 0.5
-    for _ in range(3):
-        fp8.flash_attn_fp8_func(q, k, v, *descales, causal=causal)
-    assert len(launches) == 6  # the transpose and the forward, three times
-    assert fp8._plans.plans and all(callable(p) for p in fp8._plans.plans.values())
-    assert launches[2] == launches[0] and launches[4] == launches[0]  # the transposes
-    assert launches[3] == launches[1] and launches[5] == launches[1]  # the forwards
-    # A q whose base is not 16-byte aligned (same key): the plan declines, the general path
-    # copies q into an aligned buffer and launches the same.
+    q = torch.randn(2, seqlen_q, 8, headdim).to(torch.float8_e4m3fn)
+    k, v = (torch.randn(2, 300, 4, headdim).to(torch.float8_e4m3fn) for _ in range(2))
+    descales = torch.ones(2, 4), torch.ones(1), torch.rand(2, 4) + 0.5
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
     unaligned.copy_(q)
-    fp8.flash_attn_fp8_func(unaligned, k, v, *descales, causal=causal)
-    assert len(launches) == 8 and launches[6] == launches[0] and launches[7] == launches[1]
+    for q_in in (q, q, q, unaligned):
+        fp8.flash_attn_fp8_func(q_in, k, v, *descales, causal=causal)
+    assert len(launches) == 4 * kernels
+    assert fp8._plans.plans and all(callable(p) for p in fp8._plans.plans.values())
+    for call in range(1, 4):
+        assert launches[call * kernels:(call + 1) * kernels] == launches[:kernels], call
     fp8.clear_plans()

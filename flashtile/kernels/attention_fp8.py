@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashtile.kernels.launch import launch
+from flashtile.kernels.launch import bind, launch
 from flashtile.kernels.masking import band_mask, key_tiles
 from flashtile.kernels.online_softmax import LOG2E, online_max
 from flashtile.kernels.runtime import INTERPRET, TileConfig, cdiv, next_power_of_2
@@ -245,10 +245,18 @@ def transpose_v_into(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None 
     permute-copy of fp8 runs at ~0.37 TB/s; docs/fp8.md).  ``out`` holds ``seqlen_k`` keys, or
     that many zero-padded to a multiple of 16 (stored 16 bytes at a time); with ``key_bits``
     the latter, the keys of every 16 stored in that order (``_transpose_v_kernel``)."""
-    launch(_transpose_v_kernel, *transpose_v_launch(v, out, key_bits))
+    launch(_transpose_v_kernel, *_transpose_v_launch(v, out, key_bits))
 
 
-def transpose_v_launch(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None = None) -> tuple:
+def transpose_v_bound(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None = None):
+    """A bound launcher (``flashtile.kernels.launch.bind``) of :func:`transpose_v_into` for a
+    ``v`` and an ``out`` with these shapes, strides and dtypes: a launch plan calls it with
+    ``(v.view(torch.uint8), out.view(torch.uint8))``."""
+    grid, args, options = _transpose_v_launch(v, out, key_bits)
+    return bind(_transpose_v_kernel, grid, options, args, tail_from=2)
+
+
+def _transpose_v_launch(v: torch.Tensor, out: torch.Tensor, key_bits: tuple | None = None) -> tuple:
     """:func:`transpose_v_into`'s ``(grid, runtime arguments, constexprs)`` (its checks first); the
     first two arguments are ``v`` and ``out`` as bytes, the rest follow from their shapes and
     strides (what a launch plan binds)."""
@@ -302,13 +310,79 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
         v_desc = descriptor(tma_ready(v), cfg.block_n, hd)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
+    grid, rest, options = _launch_args(q, k, lse, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset,
+                                       v_transposed, cfg)
+    launch(_attn_fwd_fp8, grid, (descriptor(q_, cfg.block_m, hd), descriptor(k_, cfg.block_n, hd), v_desc,
+                                 descriptor(out, cfg.block_m, hd)) + rest, options)
+    return out, lse
+
+
+def _launch_args(q, k, lse, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, v_transposed, cfg):
+    """``(grid, arguments, constexprs)`` of ``_attn_fwd_fp8`` for these tensors, the arguments
+    from the fifth on (the first four are the q, k, V and output descriptors)."""
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     grid = (cdiv(seqlen_q, cfg.block_m) * batch * nheads,)
-    launch(_attn_fwd_fp8, grid, (
-        descriptor(q_, cfg.block_m, hd), descriptor(k_, cfg.block_n, hd), v_desc,
-        descriptor(out, cfg.block_m, hd), lse, q_descale, k_descale, v_descale,
+    return grid, (
+        lse, q_descale, k_descale, v_descale,
         *_descale_strides(q_descale), *_descale_strides(k_descale), *_descale_strides(v_descale),
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
-    ), dict(HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
+    ), dict(HEAD_DIM=padded_headdim(d), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
             OFFSET=MAX_OFFSET if max_offset else 0, V_TRANSPOSED=bool(v_transposed), EXACT_ROUNDING=INTERPRET,
-            **cfg.launch_options()))
-    return out, lse
+            **cfg.launch_options())
+
+
+def dense_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, host_transpose):
+    """The launch plan of ``flash_attn_fp8_func``'s ``tl.*`` path for calls with these shapes,
+    strides and device, descale shapes and strides, scale and flags (``flashtile.fp8`` keys its
+    plans by them; V in flash-attn's layout, transposed on the host first where
+    ``host_transpose``, else in the kernel): a function ``(q, k, v, q_descale, k_descale,
+    v_descale) -> (out, lse)``, ``None`` for a call whose q or k base (or V's, transposed in the
+    kernel) is not 16-byte aligned (the general path takes it).  Per call it allocates the
+    outputs (and V's transposed copy) and makes bound launches (``flashtile.kernels.launch.bind``),
+    the descriptors built from templates; grids, arguments and constexprs are the ones
+    :func:`transpose_v_into` and :func:`attention_fp8_forward` compute.  ``None`` where no
+    plan serves (an empty call, strides TMA cannot read)."""
+    from flashtile.kernels.plans import stand_ins
+    from flashtile.kernels.tma import DescriptorTemplate, tma_strides
+
+    batch, seqlen_q, nheads, d = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if not (q.numel() and k.numel() and tma_strides(q) and tma_strides(k) and (host_transpose or tma_strides(v))):
+        return None
+    device, hd = q.device, padded_headdim(d)
+    cfg = fwd_config(hd, causal, host_transpose)
+    buf_shape, out_shape, lse_shape = (batch, nheads_k, d, cdiv(seqlen_k, 16) * 16), tuple(q.shape), \
+        (batch, nheads, seqlen_q)
+    sample_buf, sample_out, sample_lse = stand_ins(device, (buf_shape, v.dtype), (out_shape, torch.bfloat16),
+                                                   (lse_shape, torch.float32))
+    transpose = None
+    if host_transpose:
+        transpose = transpose_v_bound(v, sample_buf)
+        sample_v = sample_buf[..., :seqlen_k]
+        v_template = DescriptorTemplate(TensorDescriptor(sample_v, list(sample_v.shape), list(sample_v.stride()),
+                                                         [1, 1, hd, cfg.block_n]))
+    else:
+        v_template = DescriptorTemplate(descriptor(v, cfg.block_n, hd))
+    grid, rest, options = _launch_args(q, k, sample_lse, q_descale, k_descale, v_descale, softmax_scale, causal,
+                                       max_offset, host_transpose, cfg)
+    templates = (DescriptorTemplate(descriptor(q, cfg.block_m, hd)), DescriptorTemplate(descriptor(k, cfg.block_n, hd)),
+                 v_template, DescriptorTemplate(descriptor(sample_out, cfg.block_m, hd)))
+    # The head (tail_from=8): q, k, V (or its copy) and the output (as templates' tensors), the
+    # LSE and the three descales; the rest is the plan's own.
+    attend = bind(_attn_fwd_fp8, grid, options, templates + rest, tail_from=8)
+    empty, uint8, v_dtype = torch.empty, torch.uint8, v.dtype
+
+    def run(q, k, v, q_descale, k_descale, v_descale):
+        if (q.data_ptr() | k.data_ptr() | (0 if host_transpose else v.data_ptr())) & 15:
+            return None
+        if transpose is not None:
+            buf = empty(buf_shape, dtype=v_dtype, device=device)
+            transpose((v.view(uint8), buf.view(uint8)))
+            v = buf[..., :seqlen_k]
+        out = empty(out_shape, dtype=torch.bfloat16, device=device)
+        lse = empty(lse_shape, dtype=torch.float32, device=device)
+        attend((q, k, v, out, lse, q_descale, k_descale, v_descale))
+        return out, lse
+
+    return run

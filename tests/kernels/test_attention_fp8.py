@@ -377,14 +377,17 @@ def test_pretransposed_v_gives_the_same_bits_gpu(headdim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("headdim, causal", [(256, False), (256, True), (128, False)])
-def test_gluon_fp8_launch_plan_gives_the_general_paths_bits_gpu(headdim, causal, monkeypatch):
-    # flash_attn_fp8_func's Gluon path builds a launch plan at a key's second call and launches
-    # from it after: the same bits (output and LSE) as the general path on every call.
-    _engine(monkeypatch, "gluon", headdim)
+@pytest.mark.parametrize("engine, headdim, seqlen_q, causal", [
+    ("gluon", 256, 300, False), ("gluon", 256, 300, True), ("gluon", 128, 300, False),
+    ("triton", 128, 300, True), ("triton", 64, 300, False), ("triton", 128, 8, False),  # the last: V in the kernel
+])
+def test_fp8_launch_plans_give_the_general_paths_bits_gpu(engine, headdim, seqlen_q, causal, monkeypatch):
+    # flash_attn_fp8_func builds a launch plan at a key's second call and launches from it
+    # after: the same bits (output and LSE) as the general path on every call.
+    _engine(monkeypatch, engine, headdim)
     from flashtile import fp8
 
-    inputs = [_quantized_inputs(2, 300, 333, 8, 2, headdim, "head", seed=seed) for seed in range(3)]
+    inputs = [_quantized_inputs(2, seqlen_q, 333, 8, 2, headdim, "head", seed=seed) for seed in range(3)]
     fp8.clear_plans()
     planned = [flash_attn_fp8_func(*x, causal=causal, return_lse=True) for x in inputs]
     assert fp8._plans.plans and all(callable(p) for p in fp8._plans.plans.values())

@@ -209,7 +209,7 @@ def dense_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, 
     with its three descriptors built from templates; grids, arguments and constexprs are the
     ones ``transpose_v_into`` and :func:`forward` compute.  ``None`` where no plan serves (an
     empty call, strides TMA cannot read)."""
-    from flashtile.kernels.attention_fp8 import _transpose_v_kernel, transpose_v_launch
+    from flashtile.kernels.attention_fp8 import transpose_v_bound
     from flashtile.kernels.plans import stand_ins
     from flashtile.kernels.tma import tma_strides
 
@@ -223,8 +223,7 @@ def dense_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, 
         (batch, nheads, seqlen_q)
     sample_vt, sample_out, sample_lse = stand_ins(device, (v_shape, v.dtype), (out_shape, torch.bfloat16),
                                                   (lse_shape, torch.float32))
-    grid_t, args_t, options_t = transpose_v_launch(v, sample_vt, KEY_BITS_ORDER)
-    transpose = bind(_transpose_v_kernel, grid_t, options_t, args_t, tail_from=2)
+    transpose = transpose_v_bound(v, sample_vt, KEY_BITS_ORDER)
     sample_table = torch.empty(3, batch, nheads_k, dtype=torch.float32, device=device)
     launched = _launch_args(q, k, sample_out, sample_lse, sample_table, softmax_scale, causal, max_offset, cfg)
     if launched is None:
