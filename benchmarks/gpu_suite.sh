@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh [part ...]
 # parts:
 #   tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax
-#   wide_bwd hopper alternatives consan consan_fp8 fp8_gluon profile_bwd deterministic memory host training
+#   wide_bwd hopper alternatives consan consan_fp8 fp8_gluon fp8_verify profile_bwd deterministic memory host training
 #   parity_tests features generate few_rows decode decode_host decode_iam tune_decode kvcache_tests
 #   strided_tests fp8 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -88,6 +88,15 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
       run fp8_gluon_ab 240 python3 benchmarks/bench_fp8.py --headdims 128 256 --seqlens 4096 16384 --rounds 2 \
         --impls bf16,fp8,fp8_pretransposed,fp8_gluon --out "$RES/fp8_gluon_ab" \
         --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)") ;;
+    fp8_verify)  # every FP8 GPU test (both engines, the launch plans' bits), then the host time per call, the FP8
+                 # benchmark (best of two in turns) and the accuracy benchmark, into the results (ConSan: consan_fp8,
+                 # ~330 s, in a call of its own)
+      run fp8_tests 240 python3 -m pytest tests/kernels/test_attention_fp8.py tests/test_fp8.py tests/test_host_path.py \
+        tests/kernels/test_engine.py -m "gpu or not gpu" -n 11 -q -p no:cacheprovider -p no:warnings $HANG
+      run decode_host 150 python3 benchmarks/profile_decode_host.py --out "$RES" --no-profile
+      run fp8 300 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 1024 2048 4096 8192 16384 --rounds 2 \
+        --out "$RES"
+      run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
     profile_bwd) run profile_fwd_bwd 150 python3 benchmarks/profile_fwd_bwd.py --seqlens 512 1024 2048 16384 --causal 0 1 \
                    --out "$RES/profile_fwd_bwd.jsonl" ;;  # kernels and idle time of one forward + backward
     host) run host_fwd_bwd 120 python3 benchmarks/profile_host_fwd_bwd.py --out "$RES/host_fwd_bwd.jsonl" ;;  # host us per call

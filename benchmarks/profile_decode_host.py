@@ -20,7 +20,9 @@ Rows (``bench = "decode_host"``), ``mode``:
 * ``func`` -- ``flash_attn_func`` forward at (1, 128, 8, 64) against SDPA (cuDNN, flash);
 * ``func growing`` -- ``flash_attn_func`` of one query row against keys and values one longer
   every 8 calls, as transformers' dynamic cache makes them (:func:`growing_cases`), against
-  SDPA (flash, efficient; cuDNN sets itself up again for every new length).
+  SDPA (flash, efficient; cuDNN sets itself up again for every new length);
+* ``fp8 func d128`` / ``fp8 func d256`` -- ``flash_attn_fp8_func`` at (1, 128, 8, d), flashtile
+  and flashtile_ordinary (the ``tl.*`` kernel at d = 128; on Hopper the Gluon one at d = 256).
 
 Then a cProfile of the flashtile append step.  Records go to ``--out`` (a folder; the
 committed results: ``--out benchmarks/results``) as ``decode_host.jsonl``.
@@ -162,6 +164,22 @@ def func_cases(batch, seqlen, nheads, d, dtype):
         yield dict(impl=impl), sdpa
 
 
+def fp8_cases(batch, seqlen, nheads, d):
+    """``flash_attn_fp8_func`` on e4m3 inputs of this shape (per-tensor descales): its launch plans
+    (``flashtile``) against every launch through ``kernel[grid]`` (``flashtile_ordinary``)."""
+    from flashtile.fp8 import flash_attn_fp8_func
+
+    q, k, v = (torch.randn(batch, seqlen, nheads, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
+    one = torch.ones(1, device="cuda")
+    yield dict(impl="flashtile"), lambda: flash_attn_fp8_func(q, k, v, one, one, one)
+
+    def ordinary():
+        with ordinary_launches():
+            return flash_attn_fp8_func(q, k, v, one, one, one)
+
+    yield dict(impl="flashtile_ordinary"), ordinary
+
+
 def growing_cases(layers=8, start=4096, nheads=16, nheads_k=4, d=128, dtype=torch.bfloat16):
     """``(record fields, fn)`` for a decode step as transformers' dynamic cache makes it: one
     query row against keys and values one longer every ``layers`` calls (the layers of a step
@@ -226,6 +244,10 @@ def main():
     cases += [(dict(tiny, mode="func", layout="dense", lengths="none", **fields), fn)
               for fields, fn in func_cases(1, 128, 8, 64, dtype)]
     cases += list(growing_cases())
+    # flash_attn_fp8_func at (1, 128, 8, d): the tl.* kernel at d = 128, on Hopper the Gluon one at d = 256.
+    for fp8_d in (128, 256):
+        cases += [(dict(tiny, headdim=fp8_d, mode=f"fp8 func d{fp8_d}", layout="dense", lengths="none", **fields), fn)
+                  for fields, fn in fp8_cases(1, 128, 8, fp8_d)]
     print(f"{'mode':15s} {'layout':10s} {'lengths':7s} {'impl':20s} host us/call")
     for fields, fn in cases:
         try:
