@@ -297,7 +297,6 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
     ``max_offset=False`` casts the raw ``exp(s - m)`` (for the accuracy comparison).
     """
     batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
     hd = padded_headdim(d)
     cfg = config or fwd_config(hd, causal, v_transposed)
     q_, k_ = tma_ready(q), tma_ready(k)
@@ -305,7 +304,7 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
         if not _tma_aligned(v):
             raise ValueError(f"a transposed v must have unit last stride and 16-byte aligned base and strides "
                              f"(flashtile.fp8.transpose_v makes one), got strides {tuple(v.stride())}")
-        v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, hd, cfg.block_n])
+        v_desc = _transposed_v_descriptor(v, hd, cfg.block_n)
     else:
         v_desc = descriptor(tma_ready(v), cfg.block_n, hd)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
@@ -315,6 +314,11 @@ def attention_fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scal
     launch(_attn_fwd_fp8, grid, (descriptor(q_, cfg.block_m, hd), descriptor(k_, cfg.block_n, hd), v_desc,
                                  descriptor(out, cfg.block_m, hd)) + rest, options)
     return out, lse
+
+
+def _transposed_v_descriptor(v_t: torch.Tensor, hd: int, block_n: int) -> TensorDescriptor:
+    # V transposed, ``(b, hk, d, nk)``: a box of ``block_n`` keys by the padded head dim.
+    return TensorDescriptor(v_t, list(v_t.shape), list(v_t.stride()), [1, 1, hd, block_n])
 
 
 def _launch_args(q, k, lse, q_descale, k_descale, v_descale, softmax_scale, causal, max_offset, v_transposed, cfg):
@@ -360,8 +364,7 @@ def dense_plan(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, 
     if host_transpose:
         transpose = transpose_v_bound(v, sample_buf)
         sample_v = sample_buf[..., :seqlen_k]
-        v_template = DescriptorTemplate(TensorDescriptor(sample_v, list(sample_v.shape), list(sample_v.stride()),
-                                                         [1, 1, hd, cfg.block_n]))
+        v_template = DescriptorTemplate(_transposed_v_descriptor(sample_v, hd, cfg.block_n))
     else:
         v_template = DescriptorTemplate(descriptor(v, cfg.block_n, hd))
     grid, rest, options = _launch_args(q, k, sample_lse, q_descale, k_descale, v_descale, softmax_scale, causal,

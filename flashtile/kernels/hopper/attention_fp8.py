@@ -147,7 +147,8 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
     FP8 kernel does.  A configuration with ``key_order`` reads V with its keys in the P
     operand's order: made here from ``v_t``, or ``v_t`` already is (``v_in_key_order``, from
     :func:`wgmma_key_order`)."""
-    cfg = config or config_for(padded_headdim(q.shape[-1]), bool(causal))
+    hd = padded_headdim(q.shape[-1])
+    cfg = config or config_for(hd, bool(causal))
     out, lse = _outputs(q)
     if cfg.key_order and not v_in_key_order:
         v_t = wgmma_key_order(v_t)
@@ -158,7 +159,6 @@ def forward(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal=Fa
         # launched directly (Triton's per-call dispatch costs more host time than a short
         # call's kernel).
         grid, rest, options = launched
-        hd = padded_headdim(q.shape[-1])
         launch(attention_fwd_kernel, grid, (descriptor(q, cfg.query_box_rows, hd), descriptor(k, cfg.block_n, hd),
                                             box_descriptor(v_t, (1, 1, hd, cfg.block_n))) + rest, options)
     return out, lse
