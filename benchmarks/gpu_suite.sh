@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_suite.sh [part ...]
 # parts:
 #   tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax
-#   wide_bwd hopper alternatives consan consan_fp8 fp8_gluon fp8_verify profile_bwd deterministic memory host training
+#   wide_bwd hopper alternatives pingpong_d256 consan consan_fp8 fp8_gluon fp8_verify profile_bwd deterministic
+#   memory host training
 #   parity_tests features generate few_rows decode decode_host decode_iam tune_decode kvcache_tests
 #   strided_tests fp8 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
@@ -75,6 +76,12 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
         --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)")
       run alternative_tests 180 python3 -m pytest tests/kernels/hopper tests/kernels/test_attention_fp8.py -m gpu -n 12 \
         -q -p no:cacheprovider -p no:warnings ;;
+    pingpong_d256)  # d = 256 non-causal without turns against the default (ahead at N = 16k, behind at 1k-2k
+                    # on the H100, docs/tuning.md), two runs, for a rule on the key count
+      for round in 1 2; do
+        run pingpong_d256_$round 120 python3 benchmarks/bench_hopper.py --headdims 256 --seqlens 2048 4096 8192 16384 \
+          --causal 0 --variants pingpong=0 --peers sdpa_cudnn --out "$RES/pingpong_d256_$round.jsonl"
+      done ;;
     consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fwd bwd ;;
     consan_fp8) run hopper_consan_fp8 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fp8 ;;
     fp8_gluon)  # the Gluon FP8 forward: its GPU tests (alternatives included) with ConSan beside them, then the
@@ -88,15 +95,19 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
       run fp8_gluon_ab 240 python3 benchmarks/bench_fp8.py --headdims 128 256 --seqlens 4096 16384 --rounds 2 \
         --impls bf16,fp8,fp8_pretransposed,fp8_gluon --out "$RES/fp8_gluon_ab" \
         --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)") ;;
-    fp8_verify)  # every FP8 GPU test (both engines, the launch plans' bits), then the host time per call, the FP8
-                 # benchmark (best of two in turns) and the accuracy benchmark, into the results (ConSan: consan_fp8,
-                 # ~330 s, in a call of its own)
+    fp8_verify)  # every FP8 GPU test (both engines, the launch plans' bits) with ConSan beside them and the
+                 # accuracy benchmark, then the FP8 benchmark (best of two in turns) and the host time per call
+                 # (the GPU idle for both), into the results (one call of ~550 s)
+      env TRITON_INSTRUMENTATION_MODE=consan timeout 400 python3 benchmarks/hopper_consan.py fp8 \
+        > "$RES/hopper_consan_fp8.log" 2>&1 &
       run fp8_tests 240 python3 -m pytest tests/kernels/test_attention_fp8.py tests/test_fp8.py tests/test_host_path.py \
         tests/kernels/test_engine.py -m "gpu or not gpu" -n 11 -q -p no:cacheprovider -p no:warnings $HANG
-      run decode_host 150 python3 benchmarks/profile_decode_host.py --out "$RES" --no-profile
-      run fp8 300 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 1024 2048 4096 8192 16384 --rounds 2 \
+      run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES"
+      wait
+      echo "    consan: $(grep -c ': ok' "$RES/hopper_consan_fp8.log") ok, $(tail -n 1 "$RES/hopper_consan_fp8.log" | cut -c1-200)"
+      run fp8 200 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 1024 4096 16384 --rounds 2 \
         --out "$RES"
-      run fp8_accuracy 60 python3 benchmarks/fp8_accuracy.py --out "$RES" ;;
+      run decode_host 100 python3 benchmarks/profile_decode_host.py --out "$RES" --no-profile ;;
     profile_bwd) run profile_fwd_bwd 150 python3 benchmarks/profile_fwd_bwd.py --seqlens 512 1024 2048 16384 --causal 0 1 \
                    --out "$RES/profile_fwd_bwd.jsonl" ;;  # kernels and idle time of one forward + backward
     host) run host_fwd_bwd 120 python3 benchmarks/profile_host_fwd_bwd.py --out "$RES/host_fwd_bwd.jsonl" ;;  # host us per call
