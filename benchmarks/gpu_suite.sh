@@ -123,7 +123,7 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
     generate) run generate 200 python3 benchmarks/bench_generate.py --out "$RES" ;;
     few_rows) run few_rows 150 python3 benchmarks/bench_few_rows.py --out "$RES" ;;
     decode) run decode 240 python3 -m flashtile.bench.decode --out "$RES" ;;
-    decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES/decode_host.jsonl"
+    decode_host) run decode_host 120 python3 benchmarks/profile_decode_host.py --out "$RES"
                  run decode_quick 150 python3 -m flashtile.bench.decode --out "$RES/decode_quick" --batches 1 8 \
                    --caches 8192 32768 --impls flashtile flashtile_paged16 flashtile_paged256 sdpa_flash sdpa_cudnn ;;
     decode_iam) for pdl in 1 0; do  # the whole decode sweep, launches blocking, PDL on and off: a memory-error check

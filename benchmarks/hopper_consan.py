@@ -36,10 +36,11 @@ triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=tor
 
 # Backward cases: ("bwd", d, n, heads, causal, configuration spec: "" or one of attention_bwd.ALTERNATIVES,
 # deterministic: the Gluon kernel without dQ, ``attention_bwd.separate_dq_config``).
-# Forward cases: (d, n, heads, causal, varlen[, window_left[, score mods]]), in ``config_for``'s
-# default (three consumers at d = 64: at n = 600 and 700 the last tile's later consumers pass
-# every key tile, and with a left window the earlier tiles of the later consumers); with score
-# mods a softcap and ALiBi slopes, in the configuration such calls take (``call_config``).
+# Forward cases: (d, n, heads, causal, varlen[, window_left[, score mods[, spec]]]), in
+# ``config_for``'s default (three consumers at d = 64: at n = 600 and 700 the last tile's later
+# consumers pass every key tile, and with a left window the earlier tiles of the later
+# consumers) or as ``spec`` changes it; with score mods a softcap and ALiBi slopes, in the
+# configuration such calls take (``call_config``).
 CASES = [(64, 600, 32, False, False), (64, 700, 24, True, False), (64, 700, 24, True, False, 100),
          (128, 700, 24, True, False), (256, 300, 40, True, False), (128, 500, 24, False, True),
          ("bwd", 128, 300, 4, True, "", False), ("bwd", 64, 300, 4, False, "", False),
@@ -51,6 +52,8 @@ CASES += [("bwd", 64, 300, 4, True, "dk_early=1+dq_publish_late=1", False)]
 # short masked calls take it.
 CASES += [("bwd", 64, 300, 4, True, "", True)]
 CASES += [(64, 700, 24, True, False, -1, True), (128, 500, 24, False, False, -1, True)]
+# d = 256 without turns: the tiles of long unmasked calls (``call_config``), dense and packed.
+CASES += [(256, 300, 40, False, varlen, -1, False, "pingpong=0") for varlen in (False, True)]
 # More key tiles (and query tiles) than SMs, so that the persistent programs hand over between
 # items: 3 tiles a head x 48 heads.
 CASES += [("bwd", 128, 300, 48, causal, "persistent=1", False) for causal in (False, True)]
@@ -122,10 +125,10 @@ for case in selected(sys.argv[1:]):
         print(f"consan fp8 d={d} n={n} heads={heads} causal={causal} config={spec or 'default'}: ok, "
               f"finite={bool(out.isfinite().all())}", flush=True)
         continue
-    d, n, heads, causal, varlen, left, mods = (CASES[case] + (-1, False))[:7]
+    d, n, heads, causal, varlen, left, mods, spec = (CASES[case] + (-1, False, ""))[:8]
     q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    cfg = hopper.call_config(padded_headdim(d), n, left, 0 if causal else -1, mods) if mods else \
-        hopper.config_for(padded_headdim(d))
+    cfg = hopper.call_config(padded_headdim(d), n, n, left, 0 if causal else -1, mods) if mods else \
+        hopper.config_from_spec(padded_headdim(d), spec)
     if mods:
         slopes = torch.rand(heads, device="cuda")
         out, _ = hopper.forward(ka.Layout(q, k), q, k, v, d ** -0.5, left, 0 if causal else -1, config=cfg,
@@ -137,5 +140,5 @@ for case in selected(sys.argv[1:]):
     else:
         out, _ = hopper.forward(ka.Layout(q, k), q, k, v, d ** -0.5, left, 0 if causal else -1, config=cfg)
     torch.cuda.synchronize()
-    print(f"consan d={d} n={n} heads={heads} causal={causal} varlen={varlen} window_left={left} mods={mods}: ok, "
-          f"finite={bool(out.isfinite().all())}", flush=True)
+    print(f"consan d={d} n={n} heads={heads} causal={causal} varlen={varlen} window_left={left} mods={mods} "
+          f"config={spec or 'default'}: ok, finite={bool(out.isfinite().all())}", flush=True)

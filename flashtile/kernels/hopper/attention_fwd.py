@@ -626,11 +626,12 @@ class HopperConfig(RegisterBudget):
 
 
 @functools.lru_cache(maxsize=None)
-def config_for(head_dim_pad: int, two_consumers: bool = False) -> HopperConfig:
+def config_for(head_dim_pad: int, two_consumers: bool = False, long_unmasked: bool = False) -> HopperConfig:
     """The tile configuration per padded head dim (shared memory: Q + stages * (K + V));
     ``two_consumers``: a call that takes two consumers at head dims up to 64 too
-    (``engine.two_consumer_call``, which ``call_config`` asks).  The measured alternatives
-    (BLOCK_N, ping-pong, persistent grid, consumers) are in docs/tuning.md.
+    (``engine.two_consumer_call``, which ``call_config`` asks); ``long_unmasked``: a call
+    without mask or score modification of ``NO_TURNS_MIN_KEYS`` keys or more.  The measured
+    alternatives (BLOCK_N, ping-pong, persistent grid, consumers) are in docs/tuning.md.
 
     Up to d = 64 three consumers share a 192-row query tile: there the softmax's ``exp2``
     take the exp2 units as long as the tile's GEMMs take the tensor cores, and with three
@@ -644,15 +645,24 @@ def config_for(head_dim_pad: int, two_consumers: bool = False) -> HopperConfig:
         return HopperConfig(block_n=128, num_stages=2, q_buffers=2, consumers=3, consumer_regs=160)
     if head_dim_pad <= 128:
         return HopperConfig(block_n=128, num_stages=2, q_buffers=2)
-    return HopperConfig(block_n=64, num_stages=2)  # a second 64 KB query buffer does not fit
+    # d = 256 (a second 64 KB query buffer does not fit): the consumers take turns at the tensor
+    # cores, except on a long unmasked call, whose key loop runs faster with each consumer
+    # issuing its GEMMs when ready (H100, N = 4k-16k: 1-8 % faster in three runs; 2k: mixed).
+    return HopperConfig(block_n=64, num_stages=2, pingpong=not long_unmasked)
 
 
-def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right: int,
+# An unmasked call of at least this many keys takes ``config_for``'s ``long_unmasked`` tiles.
+NO_TURNS_MIN_KEYS = 4096
+
+
+def call_config(head_dim_pad: int, seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,
                 score_mods: bool = False) -> HopperConfig:
-    """``config_for`` of a call with ``seqlen_q`` query rows (a packed batch's longest), this
-    window (``-1``: unbounded on that side; causal is ``window_right = 0``) and a softcap or
-    ALiBi or neither (``score_mods``)."""
-    return config_for(head_dim_pad, engine.two_consumer_call(seqlen_q, window_left, window_right, score_mods))
+    """``config_for`` of a call with ``seqlen_q`` query rows and ``seqlen_k`` keys (a packed
+    batch's longest), this window (``-1``: unbounded on that side; causal is ``window_right =
+    0``) and a softcap or ALiBi or neither (``score_mods``)."""
+    long_unmasked = window_left < 0 and window_right < 0 and not score_mods and seqlen_k >= NO_TURNS_MIN_KEYS
+    return config_for(head_dim_pad, engine.two_consumer_call(seqlen_q, window_left, window_right, score_mods),
+                      long_unmasked)
 
 
 # Alternatives to ``config_for``'s configurations (``config_from_spec`` specs) that the offline
@@ -661,10 +671,11 @@ def call_config(head_dim_pad: int, seqlen_q: int, window_left: int, window_right
 ALTERNATIVES = ("q_buffers=1", "softmax_under_pv=1")
 
 
-def config_from_spec(head_dim_pad: int, spec: str, two_consumers: bool = False) -> HopperConfig:
-    """``config_for(head_dim_pad, two_consumers)`` with the changes of ``spec``
+def config_from_spec(head_dim_pad: int, spec: str, two_consumers: bool = False,
+                     long_unmasked: bool = False) -> HopperConfig:
+    """``config_for(head_dim_pad, two_consumers, long_unmasked)`` with the changes of ``spec``
     (``hopper.config_changes``; ``""``: the default itself)."""
-    return configured(config_for, spec)(head_dim_pad, two_consumers)
+    return configured(config_for, spec)(head_dim_pad, two_consumers, long_unmasked)
 
 
 def layout_schedule(layout, k, cfg, window_left, window_right) -> int:
@@ -709,7 +720,7 @@ def forward(layout, q, k, v, softmax_scale, window_left, window_right, config=No
     """
     d = q.shape[-1]
     hd = padded_headdim(d)
-    cfg = config or call_config(hd, layout.seqlen_q, window_left, window_right,
+    cfg = config or call_config(hd, layout.seqlen_q, layout.seqlen_k, window_left, window_right,
                                 softcap > 0 or alibi_slopes is not None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape, dtype=torch.float32, device=q.device)
@@ -753,7 +764,8 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, a
     layout = Layout(q, k)
     d = q.shape[-1]
     hd = padded_headdim(d)
-    cfg = call_config(hd, layout.seqlen_q, window_left, window_right, softcap > 0 or alibi_slopes is not None)
+    cfg = call_config(hd, layout.seqlen_q, layout.seqlen_k, window_left, window_right,
+                      softcap > 0 or alibi_slopes is not None)
     out_shape, lse_shape, dtype, device = tuple(q.shape), layout.lse_shape, q.dtype, q.device
     lse_numel = math.prod(lse_shape)
     templates = tuple(DescriptorTemplate(layout.tiles(t, rows, hd, descriptor))

@@ -124,12 +124,14 @@ def _cu_seqlens(varlen: bool) -> dict:
 
 def compile_forward(hd: int, causal: bool = False, window: bool = False, varlen: bool = False,
                     dtype: str = "bf16", config: fwd.HopperConfig | None = None, alternative: str = "",
-                    two_consumers: bool = False, softcap: bool = False, alibi: bool = False):
+                    two_consumers: bool = False, softcap: bool = False, alibi: bool = False,
+                    long_unmasked: bool = False):
     """The forward kernel as it launches for head dim ``hd`` (a power of two), compiled for sm_90a
     (``alternative``: one of ``attention_fwd.ALTERNATIVES`` instead of the default configuration;
-    ``two_consumers``: the configuration of a call with few query rows at d = 64, ``config_for``;
-    ``softcap`` / ``alibi``: with those score modifications)."""
-    cfg = config or fwd.config_from_spec(hd, alternative, two_consumers)
+    ``two_consumers`` / ``long_unmasked``: the configuration of a call with few query rows at
+    d = 64 / of a long unmasked call, ``config_for``; ``softcap`` / ``alibi``: with those score
+    modifications)."""
+    cfg = config or fwd.config_from_spec(hd, alternative, two_consumers, long_unmasked)
     fn = fwd.attention_fwd_kernel
     ints = ("stride_ob stride_om stride_oh stride_lb stride_lh stride_ds stride_dsb stride_ab seqlen_q seqlen_k "
             "max_seqlen_q nheads group headdim window_left window_right num_items section_heads").split()
@@ -289,6 +291,11 @@ def variants():
                                                            HEAD_DIMS["forward"]):
         yield dict(kernel="forward", hd=hd, causal=causal, window=False, varlen=False, dtype="bf16",
                    softcap=softcap, alibi=alibi, two_consumers=hd <= 64)
+    # The tiles of long unmasked calls (``attention_fwd.call_config``), dense and packed.
+    for hd, varlen in itertools.product(HEAD_DIMS["forward"], (False, True)):
+        if fwd.config_for(hd, False, True) != fwd.config_for(hd):
+            yield dict(kernel="forward", hd=hd, causal=False, window=False, varlen=varlen, dtype="bf16",
+                       long_unmasked=True)
     # The two-consumer tiles of short calls at d = 64 (``attention_fwd.call_config``).
     for (causal, window), varlen in itertools.product(((False, False), (True, False), (False, True)), (False, True)):
         yield dict(kernel="forward", hd=64, causal=causal, window=window, varlen=varlen, dtype="bf16",

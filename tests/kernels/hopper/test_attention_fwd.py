@@ -57,6 +57,7 @@ CASES = [
     (1, 1000, 128, 4, 2, 128, True, (-1, -1)),  # Nq > Nk: the first 872 rows see nothing
     (1, 300, 1000, 2, 2, 256, True, (-1, -1)),
     (1, 1000, 1000, 2, 2, 256, False, (-1, -1)),
+    (1, 300, 4500, 2, 1, 256, False, (-1, -1)),  # 4096+ keys unmasked: d = 256 without turns (call_config)
     (1, 1000, 1000, 2, 2, 128, False, (64, 0)),  # sliding window
     (1, 700, 900, 2, 1, 96, False, (100, 37)),
     (1, 2048, 2048, 2, 2, 64, False, (-1, -1)),

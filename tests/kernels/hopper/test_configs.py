@@ -41,15 +41,18 @@ def test_forward_softmax_in_its_own_block_only_with_two_consumers():
 
 
 def test_three_consumers_serve_small_head_dims_but_not_short_calls():
-    assert attention_fwd.call_config(64, THREE_CONSUMERS_MIN_ROWS, -1, -1).consumers == 3
-    assert attention_fwd.call_config(64, THREE_CONSUMERS_MIN_ROWS - 1, -1, -1).consumers == 2  # unmasked, few rows
-    assert attention_fwd.call_config(64, 512, -1, -1).consumers == 2
-    assert attention_fwd.call_config(64, 1500, -1, 0).consumers == 2  # causal, short
-    assert attention_fwd.call_config(64, 1500, 128, -1).consumers == 2  # left window, short
-    assert attention_fwd.call_config(64, SHORT_MASKED_ROWS, -1, 0).consumers == 3
-    assert attention_fwd.call_config(64, SHORT_MASKED_ROWS, -1, 0, score_mods=True).consumers == 2  # softcap / ALiBi
-    assert attention_fwd.call_config(128, 16384, -1, -1).consumers == 2
-    assert attention_fwd.call_config(128, 512, -1, -1).consumers == 2
+    def consumers(hd, rows, window_left, window_right, score_mods=False):  # keys as many as rows
+        return attention_fwd.call_config(hd, rows, rows, window_left, window_right, score_mods).consumers
+
+    assert consumers(64, THREE_CONSUMERS_MIN_ROWS, -1, -1) == 3
+    assert consumers(64, THREE_CONSUMERS_MIN_ROWS - 1, -1, -1) == 2  # unmasked, few rows
+    assert consumers(64, 512, -1, -1) == 2
+    assert consumers(64, 1500, -1, 0) == 2  # causal, short
+    assert consumers(64, 1500, 128, -1) == 2  # left window, short
+    assert consumers(64, SHORT_MASKED_ROWS, -1, 0) == 3
+    assert consumers(64, SHORT_MASKED_ROWS, -1, 0, score_mods=True) == 2  # softcap / ALiBi
+    assert consumers(128, 16384, -1, -1) == 2
+    assert consumers(128, 512, -1, -1) == 2
     for two_consumers in (False, True):
         cfg = attention_fwd.config_for(64, two_consumers)
         assert cfg.block_m == 64 * cfg.consumers
@@ -185,3 +188,19 @@ def test_wide_backward_alternatives_change_the_default(spec):
     assert changed != default
     for name, value in hopper.config_changes(spec).items():
         assert getattr(changed, name) == value
+
+
+def test_head_dim_256_takes_turns_except_on_long_unmasked_calls():
+    from flashtile.kernels.hopper.attention_fwd import NO_TURNS_MIN_KEYS
+
+    def turns(seqlen_q, seqlen_k, window_left=-1, window_right=-1, score_mods=False):
+        return attention_fwd.call_config(256, seqlen_q, seqlen_k, window_left, window_right, score_mods).pingpong
+
+    assert not turns(16384, 16384) and not turns(128, NO_TURNS_MIN_KEYS)  # the key count decides, not the rows
+    assert turns(NO_TURNS_MIN_KEYS, NO_TURNS_MIN_KEYS - 1)
+    assert turns(16384, 16384, -1, 0) and turns(16384, 16384, 256, -1)  # causal, left window
+    assert turns(16384, 16384, score_mods=True)  # a softcap or ALiBi: measured with turns only
+    # Below d = 256 the key count changes nothing.
+    for hd in (64, 128):
+        assert attention_fwd.call_config(hd, 16384, 16384, -1, -1) == attention_fwd.call_config(hd, 16384, 2048, -1, -1)
+    assert attention_fwd.config_from_spec(256, "", long_unmasked=True) == attention_fwd.config_for(256, False, True)
