@@ -125,7 +125,7 @@ for case in selected(sys.argv[1:]):
         print(f"consan fp8 d={d} n={n} heads={heads} causal={causal} config={spec or 'default'}: ok, "
               f"finite={bool(out.isfinite().all())}", flush=True)
         continue
-    d, n, heads, causal, varlen, left, mods, spec = (CASES[case] + (-1, False, ""))[:8]
+    d, n, heads, causal, varlen, left, mods, spec = CASES[case] + (-1, False, "")[len(CASES[case]) - 5:]
     q, k, v = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cfg = hopper.call_config(padded_headdim(d), n, n, left, 0 if causal else -1, mods) if mods else \
         hopper.config_from_spec(padded_headdim(d), spec)
