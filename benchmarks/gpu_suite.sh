@@ -76,11 +76,11 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
         --gluon-variants $(python3 -c "from flashtile.kernels.hopper import attention_fp8 as m; print(*m.ALTERNATIVES)")
       run alternative_tests 180 python3 -m pytest tests/kernels/hopper tests/kernels/test_attention_fp8.py -m gpu -n 12 \
         -q -p no:cacheprovider -p no:warnings ;;
-    pingpong_d256)  # d = 256 non-causal without turns against the default (ahead at N = 16k, behind at 1k-2k
-                    # on the H100, docs/tuning.md), two runs, for a rule on the key count
+    pingpong_d256)  # d = 256 non-causal with and without turns, two runs: the check of call_config's key-count
+                    # rule (no turns from NO_TURNS_MIN_KEYS keys, H100 runs in docs/tuning.md)
       for round in 1 2; do
         run pingpong_d256_$round 120 python3 benchmarks/bench_hopper.py --headdims 256 --seqlens 2048 4096 8192 16384 \
-          --causal 0 --variants pingpong=0 --peers sdpa_cudnn --out "$RES/pingpong_d256_$round.jsonl"
+          --causal 0 --variants pingpong=0 pingpong=1 --peers sdpa_cudnn --out "$RES/pingpong_d256_$round.jsonl"
       done ;;
     consan) run hopper_consan 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fwd bwd ;;
     consan_fp8) run hopper_consan_fp8 420 env TRITON_INSTRUMENTATION_MODE=consan python3 benchmarks/hopper_consan.py fp8 ;;
