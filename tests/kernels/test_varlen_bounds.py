@@ -27,12 +27,13 @@ def _packed(total, heads, d, seed):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_cu_seqlens_past_the_tensor_are_cut_at_its_end(causal):
+@pytest.mark.parametrize("end", [50, 2**31 - 1])  # claims 50 rows of 10, or int32's largest
+def test_cu_seqlens_past_the_tensor_are_cut_at_its_end(causal, end):
     total, heads, d = 10, 2, 32
     q, k, v = (_packed(total, heads, d, seed) for seed in range(3))
     scale = d ** -0.5
     right = 0 if causal else -1
-    bad = torch.tensor([0, 3, 50], dtype=torch.int32, device=DEVICE)  # claims 50 rows of 10
+    bad = torch.tensor([0, 3, end], dtype=torch.int32, device=DEVICE)
     cut = torch.tensor([0, 3, 10], dtype=torch.int32, device=DEVICE)
     out, lse = ka.varlen_attention_forward(q, k, v, bad, bad, scale, -1, right, max_seqlen_q=47, max_seqlen_k=47)
     want, want_lse = ka.varlen_attention_forward(q, k, v, cut, cut, scale, -1, right, max_seqlen_q=7, max_seqlen_k=7)
@@ -51,6 +52,8 @@ def test_cu_seqlens_past_the_tensor_are_cut_at_its_end(causal):
 @pytest.mark.parametrize("bad, fixed, written", [
     ([-5, 4, 8], [0, 4, 8], 8),  # a negative start reads from row 0
     ([0, 6, 3], [0, 6, 6], 6),  # an end before its start is an empty sequence
+    ([-2**31, 4, 8], [0, 4, 8], 8),  # int32's extremes: no overflow in end - start
+    ([0, -2**31, 8], [0, 0, 8], 8),
 ])
 def test_negative_and_decreasing_cu_seqlens_stay_inside(bad, fixed, written):
     total, heads, d = 8, 1, 32
