@@ -23,7 +23,7 @@ def test_host_path_without_the_interpreter():
     if not STUBS_IN_CHILD:
         pytest.skip("the tests below run in this process")
     summary = run_stubbed_tests_in_child(__file__)
-    assert "16 passed, 1 skipped" in summary, summary
+    assert "17 passed, 1 skipped" in summary, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_host_cpu  # noqa: E402
@@ -98,6 +98,28 @@ def test_decode_steps_reuse_their_checks_and_launch_plans(stub):
     assert len(plans) == 1 and not plans[0].direct  # the H200's split count: the combine kernel runs too
     assert plans[0].eager.options["APPEND"]
     assert stub["ordinary"] == 2 and stub["direct"] == 10
+
+
+@in_child
+def test_decode_step_launches_trust_the_memo_key_for_dtypes(stub):
+    """The step plan's bound launches skip classifying their tensors' dtypes (launch.bind's
+    ``fixed``): safe because the memo key holds every tensor's dtype.  Lengths as int32 and then
+    int64 tensors are two keys, two plans, two compiled variants; decode()'s plans, shared
+    across index dtypes, classify every call."""
+    from flashtile import kvcache
+    from flashtile.kernels import decode as kd
+
+    q, kc, vc, kn, vn = _decode_inputs()
+    for dtype in (torch.int32, torch.int64):
+        for step in range(3):
+            seqlens = torch.tensor([100 + step, 7 + step], dtype=dtype)
+            flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens)
+    plans = [e.plan for e in kvcache._checked.values() if e.plan is not None]
+    assert len(plans) == 2 and all(p.eager.split_launch.fixed for p in plans)
+    assert stub["ordinary"] == 2 and stub["direct"] == 4
+    kd.decode(q, kc, vc, torch.tensor([5, 6], dtype=torch.int32), None, None, 0.125, -1, -1, 0.0, None, 0)
+    (shared,) = kd._split_plans.values()
+    assert not shared.fixed_classes and not shared.eager.split_launch.fixed
 
 
 @in_child

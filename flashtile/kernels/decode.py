@@ -775,7 +775,8 @@ class _SplitPlan:
     captured into a CUDA graph or traced by torch.compile (the same object when they agree)."""
 
     __slots__ = ("grid", "tail", "direct", "eager", "graph", "scratch", "out_shape", "lse_shape", "part_numel",
-                 "lse_numel", "dtype", "device", "has_seqlens", "combine_grid", "combine_tail", "num_splits", "block_n")
+                 "lse_numel", "dtype", "device", "has_seqlens", "combine_grid", "combine_tail", "num_splits", "block_n",
+                 "fixed_classes")
 
     def run(self, q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, leftpad, alibi_slopes, k_new=None,
             v_new=None, cos=None, sin=None, bound=True, sized=None, need_lse=True):
@@ -829,7 +830,7 @@ class _SplitPlan:
             split = way.split_launch
             if split is None or split.kernel is not _decode_split:
                 split = way.split_launch = bind(_decode_split, self.grid, way.options, args + self.tail,
-                                                _SPLIT_DYNAMIC, tail_from=len(args))
+                                                _SPLIT_DYNAMIC, tail_from=len(args), fixed=self.fixed_classes)
         else:
             args += sized
             split = way.sized_launch
@@ -841,7 +842,8 @@ class _SplitPlan:
             merge = way.combine_launch
             if merge is None or merge.kernel is not _combine_splits:
                 merge = way.combine_launch = bind(_combine_splits, self.combine_grid, way.combine_options,
-                                                  (part, out, lse) + self.combine_tail, tail_from=3)
+                                                  (part, out, lse) + self.combine_tail, tail_from=3,
+                                                  fixed=self.fixed_classes)
             merge((part, out, lse))
         return out, (lse if need_lse else None)
 
@@ -868,6 +870,7 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     plan = _SplitPlan()
+    plan.fixed_classes = False
     plan.out_shape = (batch, seqlen_q, nheads, d)
     plan.lse_shape = (batch, nheads, seqlen_q)
     plan.dtype, plan.device, plan.has_seqlens = q.dtype, q.device, has_seqlens
@@ -930,9 +933,13 @@ def step_plan(q, k_cache, v_cache, k, v, block_table, has_seqlens, has_batch_idx
     (:func:`flashtile.flash_attn_with_kvcache`, which memoises the plan with its checks).
     Index tensors must reach :meth:`_SplitPlan.run` as the kernel reads them (contiguous, a
     block table's columns at stride 1)."""
-    return _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
+    plan = _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
                        softmax_scale, window_left, window_right, softcap, num_splits,
                        0 if k is None else k.shape[1], tuning_text, None if k is None else (k, v), rotary)
+    # The caller's memo is keyed by the types, dtypes and devices of every tensor it passes (a
+    # plan of its key alone): the plan's bound launches skip classifying them (launch.bind's ``fixed``).
+    plan.fixed_classes = True
+    return plan
 
 
 def length_class_unit(knob) -> tuple[int, int]:

@@ -606,9 +606,9 @@ class BoundLaunch:
 
     __slots__ = ("kernel", "grid", "grid3", "options", "dynamic", "n_head", "tensors", "tensor_positions", "descs",
                  "desc_sample", "desc_fields", "layout_descs", "layouts", "statics", "static_values", "dynamic_of",
-                 "tail", "tail_tensors", "builds", "templates", "variants", "generation")
+                 "tail", "tail_tensors", "builds", "templates", "variants", "generation", "fixed")
 
-    def __init__(self, kernel, grid, options, args, dynamic, tail_from):
+    def __init__(self, kernel, grid, options, args, dynamic, tail_from, fixed=False):
         n = len(args) if tail_from is None else tail_from
         self.kernel, self.grid, self.options, self.dynamic = kernel, grid, options, tuple(dynamic)
         self.grid3 = (grid + (1, 1))[:3] if grid.__class__ is tuple else None
@@ -654,6 +654,8 @@ class BoundLaunch:
                            else _getter(list(self.dynamic)))
         self.variants = {}
         self.generation = _generation
+        self.fixed = bool(fixed and not descs and not self.builds
+                          and all(t.is_cuda for t in self.tensors(head) + self.tail_tensors))
 
     def __call__(self, head: tuple) -> None:
         """``launch(kernel, grid, self.arguments(head), options, dynamic)``: ``head`` holds
@@ -661,7 +663,7 @@ class BoundLaunch:
         binding call's class, block shape, padding and layout objects where it had descriptors
         (any base), the ``dynamic`` values (any), and elsewhere the binding call's very objects;
         a call that does not is handed to :func:`launch` whole."""
-        statics = self.statics
+        statics = None if self.fixed else self.statics
         if (torch.compiler.is_compiling() or len(head) != self.n_head
                 or (statics is not None and not all(map(is_, statics(head), self.static_values)))
                 or INTERPRET or self.grid3 is None):
@@ -687,7 +689,8 @@ class BoundLaunch:
             addresses = tuple(map(_data_ptr, tensors))
             # All 16-byte aligned (the usual case) is one class; otherwise each tensor's own.
             aligned = True if not reduce(or_, addresses, 0) & 15 else tuple(not p & 15 for p in addresses)
-            dtypes = tuple(map(_dtype, tensors))
+            # With fixed classes the caller's own key holds the tensors' types and dtypes.
+            dtypes = None if self.fixed else tuple(map(_dtype, tensors))
         except (TypeError, AttributeError):  # not a tensor / descriptor where the binding call had one
             launch(self.kernel, self.grid, self.arguments(head), self.options, self.dynamic)
             return
@@ -700,7 +703,8 @@ class BoundLaunch:
         else:
             dyn = tuple(_tuple_class(a) if a.__class__ is tuple else _arg_class(a) for a in dyn_of(head))
         device = _device_functions[0]() if _device_functions is not None else None
-        key = (device, _compile_modes(self.kernel), tuple(map(type, tensors)), dtypes, aligned, dyn)
+        key = (device, _compile_modes(self.kernel), None if dtypes is None else tuple(map(type, tensors)), dtypes,
+               aligned, dyn)
         entry = self.variants.get(key)
         kernel = self.kernel
         if entry is None:
@@ -733,7 +737,7 @@ class BoundLaunch:
                 # the tensors go as their addresses where all are CUDA tensors (_Direct); a host
                 # tensor is left to the C launcher, which rejects it.
                 direct(*self.grid3, _device_functions[1](device), compiled.function, compiled.packed_metadata, head,
-                       addresses if all(map(_on_gpu, tensors)) else None)
+                       addresses if self.fixed or all(map(_on_gpu, tensors)) else None)
             else:
                 built = head
                 if self.builds:
@@ -765,8 +769,8 @@ _layout = attrgetter("layout")
 _base = attrgetter("base")
 
 
-def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), tail_from: int | None = None) \
-        -> BoundLaunch:
+def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), tail_from: int | None = None,
+         fixed: bool = False) -> BoundLaunch:
     """A launcher of ``kernel`` with this grid and these options: ``bound(args)`` is
     ``launch(kernel, grid, args, options, dynamic)``, cheaper per call.
 
@@ -798,8 +802,16 @@ def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), t
     ``tail_from``: the arguments from this position on (no descriptor, no template and no
     dynamic one among them) are the bound launcher's own: a call passes only ``args[:tail_from]``.  Nothing of
     the tail needs checking but its tensors (placeholders for pointers a kernel does not
-    read), which are classified at every call as the call's own are, each distinct one once."""
-    return BoundLaunch(kernel, grid, options, args, dynamic, tail_from)
+    read), which are classified at every call as the call's own are, each distinct one once.
+
+    ``fixed``: the caller's own memo, keyed by what it passes, guarantees that every call
+    passes tensors of the sample's types, dtypes and device and the sample's very objects at
+    every other position but the ``dynamic`` ones; then a call is classified by its tensors'
+    alignment, the dynamic arguments' classes, the device and the debug modes alone (a
+    decoding step's launch, which ``flash_attn_with_kvcache``'s memo keys).  A call that breaks
+    the guarantee launches a variant compiled for other arguments.  Ignored unless the sample's
+    tensors are all CUDA tensors and it holds no descriptor or template."""
+    return BoundLaunch(kernel, grid, options, args, dynamic, tail_from, fixed)
 
 
 @functools.lru_cache(maxsize=None)
