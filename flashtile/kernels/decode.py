@@ -995,8 +995,10 @@ def few_rows_plan(q, k, v, alibi_slopes, softmax_scale, window_left, window_righ
     plan.by_class = {}
 
     def make(q, k, v):
-        return _split_plan(q, k, v, None, False, False, False, alibi_slopes, softmax_scale, window_left, window_right,
+        plan = _split_plan(q, k, v, None, False, False, False, alibi_slopes, softmax_scale, window_left, window_right,
                            softcap, 0, 0, tuning_text)
+        plan.fixed_classes = True  # the forward's plan key holds q's, k's, v's and the slopes' dtypes
+        return plan
 
     plan.make = make
     return plan

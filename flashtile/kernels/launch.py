@@ -654,8 +654,8 @@ class BoundLaunch:
                            else _getter(list(self.dynamic)))
         self.variants = {}
         self.generation = _generation
-        self.fixed = bool(fixed and not descs and not self.builds
-                          and all(t.is_cuda for t in self.tensors(head) + self.tail_tensors))
+        self.fixed = bool(fixed and not descs and all(t.is_cuda for t in self.tensors(head) + self.tail_tensors
+                                                      if isinstance(t, torch.Tensor)))
 
     def __call__(self, head: tuple) -> None:
         """``launch(kernel, grid, self.arguments(head), options, dynamic)``: ``head`` holds
@@ -808,9 +808,10 @@ def bind(kernel, grid: tuple, options: dict, args: tuple, dynamic: tuple = (), t
     passes tensors of the sample's types, dtypes and device and the sample's very objects at
     every other position but the ``dynamic`` ones; then a call is classified by its tensors'
     alignment, the dynamic arguments' classes, the device and the debug modes alone (a
-    decoding step's launch, which ``flash_attn_with_kvcache``'s memo keys).  A call that breaks
-    the guarantee launches a variant compiled for other arguments.  Ignored unless the sample's
-    tensors are all CUDA tensors and it holds no descriptor or template."""
+    decoding step's launch, which ``flash_attn_with_kvcache``'s memo keys; a forward plan's,
+    which the forward's plan key does).  A call that breaks the guarantee launches a variant
+    compiled for other arguments.  Ignored unless the sample's tensors are all CUDA tensors and
+    it holds no descriptor (templates are fine: a call passes their tensors)."""
     return BoundLaunch(kernel, grid, options, args, dynamic, tail_from, fixed)
 
 

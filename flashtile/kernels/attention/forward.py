@@ -346,7 +346,8 @@ def _dense_plan(q, k, v, params: AttentionParams):
     )
     # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
     # call's q, k, v and output from the templates, every other non-tensor argument is this
-    # plan's own object, so a call is keyed on its tensors' dtypes and alignment alone.  A call
+    # plan's own object, and the plan's key holds the tensors' dtypes and device (``fixed``), so a
+    # call is keyed on its tensors' alignment alone.  A call
     # passes the arguments up to the last one of its own -- the output and LSE, the ALiBi
     # slopes, or dropout's p, seed and offset (dynamic: the plan's key holds only whether there
     # is dropout) -- and the launcher holds the rest.
@@ -355,10 +356,11 @@ def _dense_plan(q, k, v, params: AttentionParams):
             layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, softmax_scale * LOG2E, window_left,
             window_right, mods["softcap_scale"], mods["softcap_log2"], 0.0, 0, 0, layout.rng_cols)
     if has_dropout:
-        bound = bind(_attn_fwd, grid, options, args, _FWD_BOUND_DYNAMIC, tail_from=_FWD_BOUND_DYNAMIC[-1] + 1)
+        bound = bind(_attn_fwd, grid, options, args, _FWD_BOUND_DYNAMIC, tail_from=_FWD_BOUND_DYNAMIC[-1] + 1,
+                     fixed=True)
         mid = args[9:_FWD_BOUND_DYNAMIC[0]]
     else:
-        bound = bind(_attn_fwd, grid, options, args, tail_from=9 if has_alibi else 8)
+        bound = bind(_attn_fwd, grid, options, args, tail_from=9 if has_alibi else 8, fixed=True)
 
     def run(q, k, v, params: AttentionParams, need_lse=True):
         # The key fixed everything but the bases; TMA needs them 16-byte aligned.

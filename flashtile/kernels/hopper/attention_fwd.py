@@ -784,10 +784,11 @@ def dense_plan(q, k, v, softmax_scale, window_left, window_right, softcap=0.0, a
     options = kernel_constexprs(cfg, hd, window_left, window_right, False, mods["HAS_SOFTCAP"], has_alibi)
     # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
     # call's q, k and v from the templates; the placeholders, ints and scales are its own tail,
-    # so a call passes its five tensors and is keyed on their dtypes and alignment alone.  With
-    # ALiBi the call's slopes come after the plan's own objects up to them (``mid``).
+    # so a call passes its five tensors, whose dtypes and device the plan's key holds (``fixed``):
+    # it is keyed on their alignment alone.  With ALiBi the call's slopes come after the plan's
+    # own objects up to them (``mid``).
     slopes_at = attention_fwd_kernel.arg_names.index("ALIBI")
-    bound = bind(attention_fwd_kernel, grid, options, args, tail_from=slopes_at + 1 if has_alibi else 5)
+    bound = bind(attention_fwd_kernel, grid, options, args, tail_from=slopes_at + 1 if has_alibi else 5, fixed=True)
     mid = args[5:slopes_at]
 
     def run(q, k, v, params, need_lse=True):
