@@ -850,10 +850,13 @@ class _SplitPlan:
 
 def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
                 softmax_scale, window_left, window_right, softcap, num_splits, seqlen_new, tuning_text,
-                new=None, rotary=None):
+                new=None, rotary=None, fixed_classes=False):
     """The launch plan of :func:`decode` for these arguments (the index tensors already made
     contiguous as the kernel reads them).  ``new``: ``(k, v)`` of a fused append (then
-    ``seqlen_new`` is theirs); ``rotary``: ``(cos, sin, interleaved, local)``."""
+    ``seqlen_new`` is theirs); ``rotary``: ``(cos, sin, interleaved, local)``;
+    ``fixed_classes``: the plan serves one caller's key, which holds the types, dtypes and
+    device of every tensor the calls pass (its bound launches skip classifying them:
+    ``launch.bind``'s ``fixed``)."""
     batch, seqlen_q, nheads, d = q.shape
     nheads_k = k_cache.shape[2]
     paged = block_table is not None
@@ -870,7 +873,7 @@ def _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, ha
     pdl = not direct and bool(knob["pdl"]) and q.is_cuda and has_programmatic_launch(q.device.index or 0)
     chunk = cdiv(cdiv(capacity, num_splits), block_n) * block_n
     plan = _SplitPlan()
-    plan.fixed_classes = False
+    plan.fixed_classes = fixed_classes
     plan.out_shape = (batch, seqlen_q, nheads, d)
     plan.lse_shape = (batch, nheads, seqlen_q)
     plan.dtype, plan.device, plan.has_seqlens = q.dtype, q.device, has_seqlens
@@ -933,13 +936,11 @@ def step_plan(q, k_cache, v_cache, k, v, block_table, has_seqlens, has_batch_idx
     (:func:`flashtile.flash_attn_with_kvcache`, which memoises the plan with its checks).
     Index tensors must reach :meth:`_SplitPlan.run` as the kernel reads them (contiguous, a
     block table's columns at stride 1)."""
-    plan = _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
+    # A plan of the caller's memo key alone, which holds every tensor's type, dtype and device.
+    return _split_plan(q, k_cache, v_cache, block_table, has_seqlens, has_batch_idx, has_leftpad, alibi_slopes,
                        softmax_scale, window_left, window_right, softcap, num_splits,
-                       0 if k is None else k.shape[1], tuning_text, None if k is None else (k, v), rotary)
-    # The caller's memo is keyed by the types, dtypes and devices of every tensor it passes (a
-    # plan of its key alone): the plan's bound launches skip classifying them (launch.bind's ``fixed``).
-    plan.fixed_classes = True
-    return plan
+                       0 if k is None else k.shape[1], tuning_text, None if k is None else (k, v), rotary,
+                       fixed_classes=True)
 
 
 def length_class_unit(knob) -> tuple[int, int]:
@@ -995,10 +996,9 @@ def few_rows_plan(q, k, v, alibi_slopes, softmax_scale, window_left, window_righ
     plan.by_class = {}
 
     def make(q, k, v):
-        plan = _split_plan(q, k, v, None, False, False, False, alibi_slopes, softmax_scale, window_left, window_right,
-                           softcap, 0, 0, tuning_text)
-        plan.fixed_classes = True  # the forward's plan key holds q's, k's, v's and the slopes' dtypes
-        return plan
+        # The forward's plan key holds q's, k's, v's and the slopes' types, dtypes and device.
+        return _split_plan(q, k, v, None, False, False, False, alibi_slopes, softmax_scale, window_left, window_right,
+                           softcap, 0, 0, tuning_text, fixed_classes=True)
 
     plan.make = make
     return plan
