@@ -6,7 +6,7 @@
 #   tests all_tests all_tests_xdist attention softmax softmax_tests tune_softmax staged_softmax
 #   wide_bwd hopper alternatives pingpong_d256 consan consan_fp8 fp8_gluon fp8_verify profile_bwd deterministic
 #   memory host training
-#   parity_tests features generate few_rows decode decode_host decode_iam tune_decode kvcache_tests
+#   parity_tests features generate few_rows decode decode_host decode_iam decode_ab tune_decode kvcache_tests
 #   strided_tests fp8 ring io
 # RING_GPUS=2 (on a machine with 2 GPUs) runs the ring part on that many processes.
 # Each part runs under its own time limit, so one slow part cannot eat the others' time.
@@ -129,6 +129,16 @@ print(*('dq:' + a for a in dq.ALTERNATIVES), *('wide:' + a for a in w.ALTERNATIV
     decode_iam) for pdl in 1 0; do  # the whole decode sweep, launches blocking, PDL on and off: a memory-error check
                   run decode_iam_pdl$pdl 100 env CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/tune_decode.py --batches 1 8 32 \
                     --caches 1024 8192 32768 --paged 0 16 --block-n 0 --warps 4 --stages 3 --extra pdl=$pdl; done ;;
+    decode_ab)  # paged caches' pipelining depth and the eager merge in the split kernel, each against the default.
+                # Offline (decode_register_report.compile_split), a 16-row-page cache with 64-key tiles holds one K and
+                # one V buffer at 3 stages (the block-table load takes a stage; a contiguous cache holds two) and two at
+                # 5; with 128-key tiles its block-table load stays synchronous in the loop.
+      run decode_ab_paged 170 python3 benchmarks/tune_decode.py --batches 1 8 --caches 8192 32768 --paged 0 16 256 \
+        --block-n 0 64 128 --warps 4 --stages 3 5 --out "$RES/decode_ab_paged.jsonl"
+      for ml in 16 64; do  # merge_last_max_splits: 16 (the default) and 64, eager and CUDA-graph columns
+        run decode_ab_merge$ml 90 env FLASHTILE_DECODE_TUNING=merge_last_max_splits=$ml python3 -m flashtile.bench.decode \
+          --batches 1 8 --caches 4096 32768 --impls flashtile flashtile_paged16 sdpa_cudnn --out "$RES/decode_ab_merge$ml"
+      done ;;
     tune_decode) run tune_decode 240 python3 benchmarks/tune_decode.py --caches 8192 32768 --paged 0 16 --warps 4 \
                    --stages 2 3 4 --extra programs_per_sm=1 programs_per_sm=2 --out "$RES/tune_decode.jsonl" ;;
     fp8) run fp8 240 python3 benchmarks/bench_fp8.py --headdims 64 128 256 --seqlens 4096 8192 16384 --out "$RES"
