@@ -4,8 +4,10 @@ The split kernel carries the step's optional work behind constexprs -- the fused
 new keys/values (``APPEND``), the rotary of q and the new keys (``ROTARY``) and the merge of
 the splits by their last program (``MERGE_LAST``, 8 splits) -- so each combination is
 compiled here at the H200's launch configuration (16-row query tile of one GQA group,
-128-key tiles, 4 warps, 3 stages; paged: 16-row pages) and ptxas's register count and spill
-bytes are printed (``flashtile.kernels.sass.report``).  Pointer arguments a
+128-key tiles, 4 warps, 3 stages; paged: 16-row pages and 64-key tiles) and ptxas's register
+count and spill bytes are printed (``flashtile.kernels.sass.report``), with the shared-memory
+rings the software pipeliner built and the loads it left synchronous in the loop
+(``flashtile.kernels.sass.pipeline``).  Pointer arguments a
 variant does not read are constexpr ``None``, as the bound launch passes them, and the int
 arguments are specialised as Triton specialises those of the H200 decoding step
 (``_sample_ints``: equal to 1 -> constexpr, multiples of 16 marked so)::
@@ -21,7 +23,7 @@ import itertools
 import triton
 
 from flashtile.kernels import decode as kd
-from flashtile.kernels.sass import TARGET, report
+from flashtile.kernels.sass import TARGET, pipeline, report
 
 _POINTERS = ("Q", "K", "V", "O_PART", "SEQLENS_K", "CACHE_BATCH_IDX", "BLOCK_TABLE", "LEFTPAD", "ALIBI", "OUT", "LSE",
              "K_NEW", "V_NEW", "COS", "SIN", "ARRIVALS")
@@ -117,7 +119,7 @@ def main():
                               paged=paged, append=append, rotary=rotary, direct=direct, interleaved=interleaved,
                               merge_last=merge_last)
             print(f"paged={int(paged)} append={int(append)} rotary={int(rotary)} interleaved={int(interleaved)} "
-                  f"direct={int(direct)} merge_last={int(merge_last)}: {report(k)}", flush=True)
+                  f"direct={int(direct)} merge_last={int(merge_last)}: {report(k)} {pipeline(k)}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,8 @@ tensor-core rate -- can be read here, before spending device time.  Example::
 
 prints, per configuration, ptxas's register count and spill bytes and the number of
 ``HGMMA`` (wgmma) and local-memory (``LDL``/``STL``) instructions in the SASS
-(``flashtile.kernels.sass.report``).
+(``flashtile.kernels.sass.report``), and the shared-memory rings of the software pipeliner
+(``flashtile.kernels.sass.pipeline``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton
 
 from flashtile.kernels.attention import backward as kb
 from flashtile.kernels.attention import forward as kf
-from flashtile.kernels.sass import TARGET, report
+from flashtile.kernels.sass import TARGET, pipeline, report
 COMMON = {"seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32", "window_left": "i32", "window_right": "i32",
           "ALIBI": "*fp32", "stride_ab": "i32", "softcap_scale": "fp32", "softcap_log2": "fp32",
           "CU_Q": "*i32", "CU_K": "*i32", "stride_lb": "i32", "stride_lh": "i32",
@@ -83,6 +84,11 @@ def compile_kernel(kind: str, bm: int, bn: int, hd: int, warps: int, stages: int
              for name in ("O", "DK", "DV", "DQ", "Q", "K", "V", "O_PART", "LSE_PART", "stride_qb", "stride_qn",
                           "stride_kb", "stride_kn", "stride_vb", "stride_vn", "stride_qh", "stride_kh", "stride_vh")
              if name in sig}
+    if kind == "fwd" and PAGED:
+        # Triton specialises a tuple's elements as it does arguments: the caches, the block table,
+        # the head dim and the strides of a d = 128 cache are multiples of 16 (or 16-byte aligned).
+        attrs.update({(fn.arg_names.index("paged_kv"), i): [["tt.divisibility", 16]]
+                      for i in (0, 1, 2, 5, 6, 7, 8, 9, 10, 11)})
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
 
@@ -116,7 +122,8 @@ def main():
                            dropout=args.dropout, append=bool(ap_), rotary=bool(rot), direct=bool(dr))
         extra = f" paged_cache={kvb} append={ap_} rotary={rot} direct={dr}" if decode else ""
         print(f"{args.kind} BLOCK_M={bm} BLOCK_N={bn} warps={w} stages={s} d={hd} causal={causal}{extra} "
-              f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)}: {report(k)}", flush=True)
+              f"softcap={sc} alibi={al} varlen={int(VARLEN)} dropout={int(args.dropout)}: {report(k)} {pipeline(k)}",
+              flush=True)
 
 
 if __name__ == "__main__":

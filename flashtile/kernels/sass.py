@@ -3,7 +3,8 @@
 Triton compiles for an explicit target on any machine and its wheel carries ``ptxas`` and
 ``cuobjdump``: registers, spilled bytes, shared memory and the count of telling instructions
 (``HGMMA`` = wgmma, ``LDL``/``STL`` = local memory, ``MUFU.EX2`` = exp2) can be read here,
-before any device time is spent.  Used by the Gluon compile check
+before any device time is spent; for a ``tl.*`` kernel also what Triton's software pipeliner
+made of its loop (:func:`pipeline`).  Used by the Gluon compile check
 (``flashtile/kernels/hopper/offline.py``) and ``benchmarks/kernel_report.py``.
 """
 
@@ -46,3 +47,16 @@ def report(kernel) -> dict:
             # ptxas C7514: wgmma serialised (every wgmma waited for before the next issues).
             "wgmma_serialized": "C7514" in r.stderr,
             **{op: sass.count(op) for op in COUNTED}}
+
+
+def pipeline(kernel) -> dict:
+    """What Triton's software pipeliner made of a ``tl.*`` kernel's loops, from its TTGIR:
+    ``buffers``, the shared-memory rings it allocated (``"2x64x128xbf16"``: two tiles of
+    64 x 128 in flight), and ``loop_loads``, the loads left synchronous inside a loop.  A load
+    whose address comes from another load in the loop (a paged cache's block table) takes a
+    stage of its own, so at the same ``num_stages`` its ring holds fewer tiles."""
+    ir = kernel.asm["ttgir"]
+    rings = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<([0-9x]+x\w+),", ir)
+    loops = ir.split("scf.for")[1:]
+    return {"buffers": rings, "loop_loads": sum(len(re.findall(r"= tt\.load ", body.split("scf.yield")[0]))
+                                                 for body in loops)}
