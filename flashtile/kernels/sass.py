@@ -51,8 +51,10 @@ def report(kernel) -> dict:
 
 def pipeline(kernel) -> dict:
     """What Triton's software pipeliner made of a ``tl.*`` kernel's loops, from its TTGIR:
-    ``buffers``, the shared-memory rings it allocated (``"2x64x128xbf16"``: two tiles of
-    64 x 128 in flight), and ``loop_loads``, the loads left synchronous inside a loop.  A load
+    ``buffers``, the shared-memory buffers allocated without a value -- the pipeliner's rings,
+    whose leading dimension is their depth (``"2x64x128xbf16"``: two 64 x 128 tiles in flight),
+    and TMA destinations -- and ``loop_loads``, the loads left synchronous in a loop body (up
+    to its first ``scf.yield``, so an outer loop's loads after an inner loop are not counted).  A load
     whose address comes from another load in the loop (a paged cache's block table) takes a
     stage of its own, so at the same ``num_stages`` its ring holds fewer tiles."""
     ir = kernel.asm["ttgir"]
