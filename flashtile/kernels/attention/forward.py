@@ -346,11 +346,11 @@ def _dense_plan(q, k, v, params: AttentionParams):
     )
     # A bound launcher (``flashtile.kernels.launch.bind``): it builds the descriptors over the
     # call's q, k, v and output from the templates, every other non-tensor argument is this
-    # plan's own object, and the plan's key holds the tensors' dtypes and device (``fixed``), so a
-    # call is keyed on its tensors' alignment alone.  A call
-    # passes the arguments up to the last one of its own -- the output and LSE, the ALiBi
-    # slopes, or dropout's p, seed and offset (dynamic: the plan's key holds only whether there
-    # is dropout) -- and the launcher holds the rest.
+    # plan's own object, and the plan's key holds the tensors' dtypes and device (``fixed``), so
+    # a call is keyed on its tensors' alignment alone.  A call passes the arguments up to the
+    # last one of its own -- the output and LSE, the ALiBi slopes, or dropout's p, seed and
+    # offset (dynamic: the plan's key holds only whether there is dropout) -- and the launcher
+    # holds the rest.
     args = (q_desc, k_desc, v_desc, paged_kv, 0, o_desc, out_template, lse_template,
             mods["alibi"], mods["stride_ab"], unread, unread, *layout.lse_strides, layout.rows_q, layout.rows_k,
             layout.seqlen_q, layout.nheads, layout.nheads // layout.nheads_k, softmax_scale * LOG2E, window_left,
